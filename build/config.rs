@@ -1,0 +1,70 @@
+//! Everything the build reads from its environment, read once.
+
+use std::env;
+use std::path::PathBuf;
+
+/// One `key=value` line of `vendor/llama.cpp.pin`.
+pub struct Pin {
+    pub commit: String,
+    pub sha256: String,
+}
+
+pub struct Config {
+    pub manifest_dir: PathBuf,
+    pub out_dir: PathBuf,
+    pub pin: Pin,
+    pub patches_dir: PathBuf,
+    /// `LLAMA_CPP_DIR`: a user's own checkout at the pin, used instead of the fetched sdist.
+    pub llama_cpp_dir: Option<PathBuf>,
+    /// `REAP_IMATRIX_CACHE`: where the sdist, the unpacked tree and the shared native build live.
+    pub cache_dir: PathBuf,
+    pub cuda: bool,
+    pub rpc: bool,
+    pub target_os: String,
+}
+
+/// Reads an environment variable and tells Cargo to rerun when it changes.
+pub fn var(name: &str) -> Option<String> {
+    println!("cargo:rerun-if-env-changed={name}");
+    env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+impl Config {
+    pub fn from_env() -> Result<Config, String> {
+        let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?);
+        let out_dir = PathBuf::from(env::var("OUT_DIR").map_err(|e| e.to_string())?);
+        let pin_file = manifest_dir.join("vendor/llama.cpp.pin");
+        let patches_dir = manifest_dir.join("patches");
+        // Printing any rerun-if-* switches off Cargo's rerun-on-any-change, so name every input.
+        println!("cargo:rerun-if-changed={}", pin_file.display());
+        println!("cargo:rerun-if-changed={}", patches_dir.display());
+        println!("cargo:rerun-if-changed={}", manifest_dir.join("src/llama/wrapper.h").display());
+        println!("cargo:rerun-if-changed={}", manifest_dir.join("build").display());
+        let pin = read_pin(&pin_file)?;
+        let cache_dir = var("REAP_IMATRIX_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| manifest_dir.join("vendor/cache"));
+        Ok(Config {
+            llama_cpp_dir: var("LLAMA_CPP_DIR").map(PathBuf::from),
+            cache_dir,
+            cuda: env::var_os("CARGO_FEATURE_CUDA").is_some(),
+            rpc: env::var_os("CARGO_FEATURE_RPC").is_some(),
+            target_os: env::var("CARGO_CFG_TARGET_OS").unwrap_or_default(),
+            manifest_dir,
+            out_dir,
+            pin,
+            patches_dir,
+        })
+    }
+}
+
+fn read_pin(path: &std::path::Path) -> Result<Pin, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let get = |key: &str| {
+        text.lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .find_map(|l| l.split_once('=').filter(|(k, _)| k.trim() == key).map(|(_, v)| v.trim().to_string()))
+            .ok_or_else(|| format!("{}: missing key '{key}'", path.display()))
+    };
+    Ok(Pin { commit: get("commit")?, sha256: get("sha256")? })
+}

@@ -1,0 +1,174 @@
+//! The native build: the patched copy of llama.cpp compiled to static libraries by CMake.
+//!
+//! The build lives in the cache folder under a key of (pin, patches, features), not in
+//! OUT_DIR, so `cargo build --release` and `cargo test` share one build instead of compiling
+//! llama.cpp twice. It is always a Release build with upstream's own flags: the build type
+//! changes the numbers (see shared notes), and parity tests compare against a Release build.
+
+use crate::config::Config;
+use crate::patch;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub struct NativeLibs {
+    pub source_dir: PathBuf,
+    pub lib_dirs: Vec<PathBuf>,
+    pub patches_digest: String,
+    cuda: bool,
+    rpc: bool,
+}
+
+pub fn build_llama(cfg: &Config, pristine: &Path) -> Result<NativeLibs, String> {
+    check_tool("cmake", "--version", "cmake")?;
+    let patches = patch::list_patches(&cfg.patches_dir).map_err(|e| format!("{}: {e}", cfg.patches_dir.display()))?;
+    let patches_digest = patch::digest(&patches).map_err(|e| format!("reading patches: {e}"))?;
+    let key = build_key(cfg, &patches_digest);
+    let root = cfg.cache_dir.join("build").join(&key);
+    fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+    let _lock = Lock::take(&root.join(".lock"))?;
+
+    let source_dir = root.join("src");
+    let done = root.join(".done");
+    if !done.is_file() {
+        if source_dir.exists() {
+            fs::remove_dir_all(&source_dir).map_err(|e| format!("{}: {e}", source_dir.display()))?;
+        }
+        patch::copy_tree(pristine, &source_dir)
+            .map_err(|e| format!("copying {} to {}: {e}", pristine.display(), source_dir.display()))?;
+        patch::apply_patches(&source_dir, &patches)?;
+        run_cmake(cfg, &source_dir, &root)?;
+        fs::write(&done, format!("{key}\n")).map_err(|e| format!("{}: {e}", done.display()))?;
+    }
+    let lib_dirs = find_lib_dirs(&root.join("build"));
+    if lib_dirs.is_empty() {
+        return Err(format!("no static libraries under {}; remove that folder and rebuild", root.display()));
+    }
+    Ok(NativeLibs { source_dir, lib_dirs, patches_digest, cuda: cfg.cuda, rpc: cfg.rpc })
+}
+
+fn build_key(cfg: &Config, patches_digest: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(format!(
+        "{}|{}|cuda={}|rpc={}|v1",
+        cfg.pin.sha256, patches_digest, cfg.cuda, cfg.rpc
+    ));
+    let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    format!("{}-{}", cfg.pin.commit, &hex[..12])
+}
+
+fn run_cmake(cfg: &Config, source_dir: &Path, root: &Path) -> Result<(), String> {
+    let on_off = |b: bool| if b { "ON" } else { "OFF" };
+    let mut c = cmake::Config::new(source_dir);
+    c.out_dir(root)
+        .profile("Release")
+        // exactly upstream's flags: no -O/-g from Cargo's profile leaking into CMAKE_C_FLAGS
+        .no_default_flags(true)
+        .build_target("llama")
+        .define("BUILD_SHARED_LIBS", "OFF")
+        .define("LLAMA_BUILD_COMMON", "OFF")
+        .define("LLAMA_BUILD_TESTS", "OFF")
+        .define("LLAMA_BUILD_TOOLS", "OFF")
+        .define("LLAMA_BUILD_EXAMPLES", "OFF")
+        .define("LLAMA_BUILD_SERVER", "OFF")
+        .define("LLAMA_BUILD_APP", "OFF")
+        .define("LLAMA_CURL", "OFF")
+        .define("LLAMA_OPENSSL", "OFF")
+        .define("GGML_RPC", on_off(cfg.rpc))
+        .define("GGML_CUDA", on_off(cfg.cuda));
+    if cfg.cuda {
+        // "native" only works where a GPU is visible; build for the common server parts otherwise
+        let archs = std::env::var("CMAKE_CUDA_ARCHITECTURES").unwrap_or_else(|_| "80;86;89;90".into());
+        c.define("CMAKE_CUDA_ARCHITECTURES", archs);
+    }
+    // the cmake crate panics on failure; turn that into our one-message error
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        c.build();
+    }))
+    .map_err(|_| format!("building llama.cpp with CMake failed (see the output above); build folder {}", root.display()))
+}
+
+fn find_lib_dirs(build: &Path) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    let mut stack = vec![build.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                if !p.ends_with("CMakeFiles") {
+                    stack.push(p);
+                }
+            } else if p.extension().is_some_and(|x| x == "a") && !dirs.contains(&d) {
+                dirs.push(d.clone());
+            }
+        }
+    }
+    dirs.sort();
+    dirs
+}
+
+impl NativeLibs {
+    pub fn emit_link_lines(&self, cfg: &Config) {
+        for d in &self.lib_dirs {
+            println!("cargo:rustc-link-search=native={}", d.display());
+        }
+        // static archives need dependents before dependencies
+        let mut libs = vec!["llama", "ggml"];
+        if self.rpc {
+            libs.push("ggml-rpc");
+        }
+        if self.cuda {
+            libs.push("ggml-cuda");
+        }
+        libs.extend(["ggml-cpu", "ggml-base"]);
+        for l in libs {
+            println!("cargo:rustc-link-lib=static={l}");
+        }
+        if self.cuda {
+            for l in ["cudart", "cublas", "cublasLt", "cuda"] {
+                println!("cargo:rustc-link-lib={l}");
+            }
+            let cuda = std::env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
+            println!("cargo:rustc-link-search=native={cuda}/lib64");
+            println!("cargo:rustc-link-search=native={cuda}/lib64/stubs");
+        }
+        if cfg.target_os == "linux" {
+            for l in ["stdc++", "gomp", "m", "dl", "pthread"] {
+                println!("cargo:rustc-link-lib={l}");
+            }
+        }
+    }
+}
+
+fn check_tool(tool: &str, arg: &str, debian_pkg: &str) -> Result<(), String> {
+    match Command::new(tool).arg(arg).output() {
+        Ok(o) if o.status.success() => Ok(()),
+        _ => Err(format!(
+            "`{tool}` was not found. Install it: `apt-get install {debian_pkg}` (Debian), \
+             or run scripts/setup, which installs everything the build needs."
+        )),
+    }
+}
+
+/// An exclusive lock on the shared build folder, so two Cargo profiles building at once
+/// don't write the same files.
+struct Lock(#[allow(dead_code)] fs::File); // closing the file releases the lock
+
+impl Lock {
+    fn take(path: &Path) -> Result<Lock, String> {
+        use std::os::unix::io::AsRawFd;
+        let f = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        // SAFETY: flock on a file descriptor we own; released when the file is closed.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(format!("{}: could not lock: {}", path.display(), std::io::Error::last_os_error()));
+        }
+        Ok(Lock(f))
+    }
+}

@@ -1,0 +1,330 @@
+//! The calibration run, as upstream's `llama-imatrix` drives it (`compute_imatrix` at the
+//! pin): tokenise, cut into chunks, feed `n_seq` chunks per batch, clear the KV cache per
+//! chunk, put BOS first when the vocab adds it, request every output, and print perplexity
+//! over the second half of each chunk.
+
+pub mod observer;
+pub mod perplexity;
+pub mod writer;
+
+use crate::cli::imatrix_args::{ImatrixArgs, OutputFormat};
+use crate::cli::UsageError;
+use crate::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig, SaveRequest};
+use crate::formats::imatrix as imatrix_file;
+use crate::llama::{self, Context, ContextParams, Model, ModelParams};
+use anyhow::{bail, Context as _, Result};
+use observer::CalibrationObserver;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use writer::{ImatrixFormat, Job, Writer};
+
+/// Everything the run needs, resolved from the flags the way upstream resolves them.
+pub struct Plan {
+    pub args: ImatrixArgs,
+    /// tokens per chunk (-c)
+    pub n_ctx: i32,
+    /// sequences per batch: max(1, b / c)
+    pub n_seq: i32,
+    /// KV size: n_seq · n_ctx
+    pub n_kv: i32,
+    /// min(b, n_kv)
+    pub n_batch: i32,
+    pub format: ImatrixFormat,
+    pub in_files: Vec<PathBuf>,
+    pub prompt_file: String,
+}
+
+impl Plan {
+    pub fn from_args(args: ImatrixArgs) -> Result<Plan> {
+        let n_ctx = args.ctx_size;
+        if n_ctx <= 0 {
+            bail!(UsageError("imatrix tool requires '--ctx-size' > 0".into()));
+        }
+        if args.output_frequency <= 0 {
+            bail!(UsageError(format!("--output-frequency must be > 0 (got {})", args.output_frequency)));
+        }
+        let n_seq = (args.batch_size / n_ctx).max(1);
+        let n_kv = n_seq * n_ctx;
+        let n_batch = args.batch_size.min(n_kv);
+        let format = match args.output_format {
+            Some(OutputFormat::Dat) => ImatrixFormat::Dat,
+            _ => ImatrixFormat::Gguf,
+        };
+        if args.output_format.is_none() && args.output_file.extension().is_none_or(|e| e != "gguf") {
+            eprintln!("warning: saving imatrix using GGUF format with a different suffix than .gguf");
+            eprintln!("warning: if you want the previous imatrix format, use --output-format dat");
+        }
+        // as upstream at the pin: `--in-file` takes a comma-separated list; repeating the flag
+        // keeps only the last one
+        if args.in_file.len() > 1 {
+            eprintln!("warning: --in-file given {} times; only the last value is used (use a comma-separated list)", args.in_file.len());
+        }
+        let mut in_files = Vec::new();
+        if let Some(list) = args.in_file.last() {
+            for item in list.split(',').filter(|s| !s.is_empty()) {
+                let p = PathBuf::from(item);
+                std::fs::File::open(&p).map_err(|e| UsageError(format!("--in-file {item}: {e}")))?;
+                in_files.push(p);
+            }
+        }
+        let prompt_file = args.file.as_ref().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, args })
+    }
+
+    /// Tokens per chunk as the imatrix file records it: n_ctx / n_parallel.
+    pub fn chunk_size(&self) -> i32 {
+        self.n_kv / self.n_seq
+    }
+
+    fn collector(&self) -> ImatrixCollector {
+        ImatrixCollector::new(
+            ImatrixConfig {
+                chunk_size: self.chunk_size(),
+                out_freq: self.args.output_frequency,
+                save_freq: self.args.save_frequency,
+                process_output: self.args.process_output,
+            },
+            Imatrix::default(),
+        )
+    }
+
+    fn job(&self, req: SaveRequest) -> Job {
+        let path = match req.at {
+            Some(n) => {
+                let mut s = self.args.output_file.clone().into_os_string();
+                s.push(format!(".at_{n}"));
+                PathBuf::from(s)
+            }
+            None => self.args.output_file.clone(),
+        };
+        Job::Imatrix {
+            path,
+            state: Box::new(req.state),
+            format: self.format,
+            prompt_file: self.prompt_file.clone(),
+            chunk_size: self.chunk_size(),
+        }
+    }
+}
+
+/// The drop-in mode: `reap-imatrix -m MODEL -f TEXT [...]`.
+pub fn run(args: ImatrixArgs) -> Result<()> {
+    llama::log::set_verbosity(if args.verbose { 2 } else { args.verbosity.unwrap_or(0) });
+    if args.show_statistics {
+        return crate::formats::imatrix_stats::show(&args);
+    }
+    let plan = Plan::from_args(args)?;
+    let mut collector = plan.collector();
+    for f in &plan.in_files {
+        eprintln!("loading imatrix from '{}'", f.display());
+        let loaded = imatrix_file::load(f)?;
+        collector.merge(&loaded).map_err(|e| anyhow::anyhow!("--in-file {}: {e}", f.display()))?;
+    }
+    let model_path = plan.args.model.clone().ok_or_else(|| UsageError("-m/--model is required".into()))?;
+    let Some(text_path) = plan.args.file.clone() else {
+        eprintln!("No prompt provided; combining precomputed matrices only.");
+        if plan.in_files.is_empty() {
+            bail!(UsageError("No prompt provided and no precomputed matrices (--in-file) to combine.".into()));
+        }
+        eprintln!("saving {} to '{}'", if plan.in_files.len() > 1 { "combined imatrix" } else { "imatrix" }, plan.args.output_file.display());
+        let w = Writer::spawn();
+        w.send(plan.job(SaveRequest { at: None, state: collector.state }));
+        return w.finish();
+    };
+    let text = read_text(&text_path)?;
+    let model = Model::load(&model_path, &model_params(&plan.args)?)?;
+    let ctx_params = context_params(&plan)?;
+    let mut ctx = Context::new(&model, &ctx_params, CalibrationObserver::new(collector))?;
+    if plan.n_kv > model.n_ctx_train() {
+        eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
+    }
+    let writer = Writer::spawn();
+    let outcome = compute(&plan, &mut ctx, &text, &writer);
+    // queued checkpoints are consistent states: they go to disk whatever happened
+    drain_saves(&plan, &mut ctx, &writer);
+    if let Err(e) = outcome {
+        let w = writer.finish();
+        return Err(e.context(match w {
+            Ok(()) => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
+            Err(we) => format!("and writing the last checkpoint failed too: {we:#}"),
+        }));
+    }
+    let state = ctx.observer().imatrix.state.clone();
+    writer.send(plan.job(SaveRequest { at: None, state }));
+    writer.finish()?;
+    eprintln!("imatrix written to {}", plan.args.output_file.display());
+    Ok(())
+}
+
+/// The corpus, as upstream reads `-f`: bytes, one trailing newline removed.
+fn read_text(path: &Path) -> Result<Vec<u8>> {
+    let mut text = std::fs::read(path).map_err(|e| UsageError(format!("calibration file {}: {e}", path.display())))?;
+    if text.last() == Some(&b'\n') {
+        text.pop();
+    }
+    Ok(text)
+}
+
+pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
+    let n_gpu_layers = match args.n_gpu_layers.as_str() {
+        "auto" => -1,
+        "all" => -2,
+        n => n.parse().map_err(|_| UsageError(format!("-ngl: expected a number, 'auto' or 'all', got '{n}'")))?,
+    };
+    let load_mode = match args.load_mode.as_str() {
+        "auto" => llama::sys::LLAMA_LOAD_MODE_AUTO,
+        "none" => llama::sys::LLAMA_LOAD_MODE_NONE,
+        "mmap" => llama::sys::LLAMA_LOAD_MODE_MMAP,
+        "mlock" => llama::sys::LLAMA_LOAD_MODE_MLOCK,
+        "mmap+mlock" => llama::sys::LLAMA_LOAD_MODE_MMAP_MLOCK,
+        "dio" => llama::sys::LLAMA_LOAD_MODE_DIRECT_IO,
+        m => bail!(UsageError(format!("-lm: unknown load mode '{m}'"))),
+    };
+    Ok(ModelParams { n_gpu_layers, load_mode, rpc_servers: args.rpc.clone() })
+}
+
+fn context_params(plan: &Plan) -> Result<ContextParams> {
+    let hw = std::thread::available_parallelism().map(|n| n.get() as i32).unwrap_or(4);
+    let threads = if plan.args.threads <= 0 { hw } else { plan.args.threads };
+    let threads_batch = match plan.args.threads_batch {
+        None => threads,
+        Some(t) if t <= 0 => hw,
+        Some(t) => t,
+    };
+    let flash_attn = match plan.args.flash_attn.as_str() {
+        "on" | "enabled" | "1" | "true" => llama::sys::LLAMA_FLASH_ATTN_TYPE_ENABLED,
+        "off" | "disabled" | "0" | "false" => llama::sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
+        "auto" | "-1" => llama::sys::LLAMA_FLASH_ATTN_TYPE_AUTO,
+        v => bail!(UsageError(format!("unknown value for --flash-attn: '{v}'"))),
+    };
+    Ok(ContextParams {
+        n_ctx: plan.n_kv as u32,
+        n_batch: plan.n_batch as u32,
+        n_ubatch: plan.args.ubatch_size as u32,
+        n_seq_max: plan.n_seq as u32,
+        n_threads: threads,
+        n_threads_batch: threads_batch,
+        flash_attn,
+    })
+}
+
+fn drain_saves(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, writer: &Writer) {
+    for req in ctx.observer_mut().imatrix.pending_saves.drain(..).collect::<Vec<_>>() {
+        writer.send(plan.job(req));
+    }
+}
+
+fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8], writer: &Writer) -> Result<()> {
+    let model = ctx.model();
+    let vocab = model.vocab();
+    let add_bos = vocab.add_bos();
+    if vocab.add_eos() {
+        bail!("the model's vocab adds EOS to every text; llama-imatrix refuses such models too");
+    }
+    let n_ctx = plan.n_ctx as usize;
+    let t0 = Instant::now();
+    eprintln!("compute_imatrix: tokenizing the input ..");
+    let mut tokens = vocab.tokenize(text, true, plan.args.parse_special)?;
+    eprintln!("compute_imatrix: tokenization took {:.3} ms", t0.elapsed().as_secs_f64() * 1e3);
+    let i_chunk = plan.args.chunk.max(0) as usize;
+    if i_chunk > 0 {
+        if (i_chunk + 2) * n_ctx >= tokens.len() {
+            bail!(UsageError(format!("there will be not enough tokens left after removing {i_chunk} chunks")));
+        }
+        eprintln!("compute_imatrix: removing initial {i_chunk} chunks ({} tokens)", i_chunk * n_ctx);
+        tokens.drain(..i_chunk * n_ctx);
+    }
+    if tokens.len() < 2 * n_ctx {
+        bail!(UsageError(format!(
+            "you need at least {} tokens for a context of {n_ctx} tokens; the data file you provided tokenizes to only {} tokens",
+            2 * n_ctx,
+            tokens.len()
+        )));
+    }
+    let n_chunk_max = tokens.len() / n_ctx;
+    let n_chunk = if plan.args.chunks < 0 { n_chunk_max } else { (plan.args.chunks as usize).min(n_chunk_max) };
+    let n_vocab = vocab.n_tokens() as usize;
+    let n_batch = plan.n_batch as usize;
+    let n_seq = plan.n_seq as usize;
+    let num_batches = n_ctx.div_ceil(n_batch);
+    let compute_ppl = plan.args.compute_ppl();
+    eprintln!("compute_imatrix: computing over {n_chunk} chunks, n_ctx={n_ctx}, batch_size={n_batch}, n_seq={n_seq}");
+
+    let mut ppl = perplexity::Accumulator::default();
+    let mut logits: Vec<f32> = Vec::new();
+    let mut batch = ctx.batch();
+    let progress = std::io::stderr().is_terminal();
+    let t_run = Instant::now();
+    let mut out = std::io::stdout().lock();
+    let mut i = 0;
+    while i < n_chunk {
+        let start = i * n_ctx;
+        let end = start + n_ctx;
+        let n_seq_batch = n_seq.min(n_chunk - i);
+        let t_start = Instant::now();
+        ctx.observer_mut().chunk = i as i32 + 1;
+        ctx.clear_memory();
+        for j in 0..num_batches {
+            let batch_start = start + j * n_batch;
+            let batch_size = (end - batch_start).min(n_batch);
+            batch.clear();
+            for seq in 0..n_seq_batch {
+                let seq_start = batch_start + seq * n_ctx;
+                for k in 0..batch_size {
+                    // BOS replaces the first token of each chunk when the vocab adds BOS
+                    let tok = if add_bos && j == 0 && k == 0 { vocab.bos() } else { tokens[seq_start + k] };
+                    batch.add(tok, (j * n_batch + k) as i32, seq as i32, true);
+                }
+            }
+            let r = ctx.decode(&mut batch);
+            drain_saves(plan, ctx, writer);
+            if let Some(f) = ctx.observer_mut().failure.take() {
+                bail!("{f}");
+            }
+            r.context("failed to eval")?;
+            if compute_ppl && num_batches > 1 {
+                logits.extend_from_slice(ctx.logits(batch_size));
+            }
+        }
+        if i == 0 {
+            ctx.synchronize();
+            let t_total = t_start.elapsed().as_secs_f32();
+            let mut total_seconds = (t_total * n_chunk as f32 / n_seq as f32) as i32;
+            let mut eta = String::new();
+            if total_seconds >= 3600 {
+                eta += &format!("{} hours ", total_seconds / 3600);
+                total_seconds %= 3600;
+            }
+            eprintln!("compute_imatrix: {t_total:.2} seconds per pass - ETA {eta}{:.2} minutes", total_seconds as f64 / 60.0);
+        }
+        if compute_ppl {
+            let first = n_ctx / 2;
+            for seq in 0..n_seq_batch {
+                let all: &[f32] = if num_batches > 1 { &logits } else { &ctx.logits((seq + 1) * n_ctx)[seq * n_ctx * n_vocab..] };
+                let toks = &tokens[start + seq * n_ctx + first..];
+                ppl.add_chunk(&all[first * n_vocab..], toks, n_ctx - 1 - first, n_vocab);
+                write!(out, "[{}]{:.4},", i + seq + 1, ppl.ppl())?;
+            }
+            out.flush()?;
+            logits.clear();
+        }
+        i += n_seq;
+        if progress {
+            let done = i.min(n_chunk);
+            let rate = t_run.elapsed().as_secs_f64() / done as f64;
+            eprint!("\r[{done}/{n_chunk}] {:.1}s elapsed, ETA {:.1}s   ", t_run.elapsed().as_secs_f64(), rate * (n_chunk - done) as f64);
+            if done == n_chunk {
+                eprintln!();
+            }
+        }
+    }
+    writeln!(out)?;
+    if compute_ppl {
+        match ppl.final_estimate() {
+            Some((p, err)) => writeln!(out, "Final estimate: PPL = {p:.4} +/- {err:.5}")?,
+            None => writeln!(out, "Unexpected negative standard deviation of log(prob)")?,
+        }
+    }
+    Ok(())
+}

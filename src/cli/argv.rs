@@ -1,0 +1,115 @@
+//! llama.cpp spells many long flags with one dash (`-ngl 99`, `-ub 512`, `-fa on`); clap
+//! cannot. Before parsing, those spellings are rewritten to their double-dash long forms,
+//! so `--help` stays readable and the audited command lines run unchanged.
+
+use std::ffi::OsString;
+
+/// Single-dash spellings of llama-imatrix's flags → the long form we parse.
+pub const SINGLE_DASH_LONG: &[(&str, &str)] = &[
+    ("-ngl", "--n-gpu-layers"),
+    ("-ub", "--ubatch-size"),
+    ("-fa", "--flash-attn"),
+    ("-tb", "--threads-batch"),
+    ("-sm", "--split-mode"),
+    ("-ts", "--tensor-split"),
+    ("-mg", "--main-gpu"),
+    ("-lm", "--load-mode"),
+    ("-ofreq", "--output-frequency"),
+    ("-lv", "--verbosity"),
+    ("-dev", "--device"),
+    ("-np", "--parallel"),
+    ("-fit", "--fit"),
+    ("-nr", "--no-repack"),
+    ("-ctk", "--cache-type-k"),
+    ("-ctv", "--cache-type-v"),
+    ("-kvo", "--kv-offload"),
+    ("-nkvo", "--no-kv-offload"),
+];
+
+/// Flags of upstream's `llama-imatrix` we recognise but do not implement: a clear error beats
+/// clap's "unexpected argument" for someone pasting an upstream command line.
+pub const UNSUPPORTED: &[&str] = &[
+    "-p", "--prompt", "-bf", "--binary-file", "--lora", "--lora-scaled", "--control-vector",
+    "--control-vector-scaled", "--control-vector-layer-range", "--override-kv", "-ot",
+    "--override-tensor", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "--rope-scaling",
+    "--rope-scale", "--rope-freq-base", "--rope-freq-scale", "--yarn-orig-ctx", "--yarn-ext-factor",
+    "--yarn-attn-factor", "--yarn-beta-slow", "--yarn-beta-fast", "-hf", "-hfr", "--hf-repo",
+    "-mu", "--model-url", "--numa", "-C", "--cpu-mask", "-Cr", "--cpu-range",
+];
+
+/// Rewrites argv (program name first) so clap can parse it. Returns the name of the first
+/// upstream flag we do not implement, if any.
+pub fn normalize(argv: Vec<OsString>) -> (Vec<OsString>, Option<String>) {
+    let mut out = Vec::with_capacity(argv.len());
+    let mut unsupported = None;
+    let mut iter = argv.into_iter().peekable();
+    if let Some(prog) = iter.next() {
+        out.push(prog);
+    }
+    while let Some(arg) = iter.next() {
+        let Some(s) = arg.to_str() else {
+            out.push(arg);
+            continue;
+        };
+        // `-flag=value` as well as `-flag value`
+        let (flag, value) = match s.split_once('=') {
+            Some((f, v)) if f.starts_with('-') => (f, Some(v)),
+            _ => (s, None),
+        };
+        if let Some((_, long)) = SINGLE_DASH_LONG.iter().find(|(short, _)| *short == flag) {
+            // a bare `-fa` (no value) means on, as upstream's truthy default
+            if *long == "--flash-attn" && value.is_none() {
+                let next_is_value = iter.peek().and_then(|n| n.to_str()).is_some_and(|n| !n.starts_with('-'));
+                if !next_is_value {
+                    out.push("--flash-attn=on".into());
+                    continue;
+                }
+            }
+            match value {
+                Some(v) => out.push(format!("{long}={v}").into()),
+                None => out.push((*long).into()),
+            }
+            continue;
+        }
+        if unsupported.is_none() && UNSUPPORTED.contains(&flag) {
+            unsupported = Some(flag.to_string());
+        }
+        out.push(arg);
+    }
+    (out, unsupported)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn norm(args: &[&str]) -> Vec<String> {
+        let v = std::iter::once("prog").chain(args.iter().copied()).map(OsString::from).collect();
+        normalize(v).0.into_iter().skip(1).map(|s| s.into_string().unwrap()).collect()
+    }
+
+    #[test]
+    fn rewrites_single_dash_long_flags() {
+        assert_eq!(norm(&["-ngl", "99", "-ub", "128", "-m", "x"]), ["--n-gpu-layers", "99", "--ubatch-size", "128", "-m", "x"]);
+        assert_eq!(norm(&["-tb=2", "-ofreq", "5"]), ["--threads-batch=2", "--output-frequency", "5"]);
+    }
+
+    #[test]
+    fn bare_flash_attn_means_on() {
+        assert_eq!(norm(&["-fa", "-m", "x"]), ["--flash-attn=on", "-m", "x"]);
+        assert_eq!(norm(&["-fa", "off"]), ["--flash-attn", "off"]);
+        assert_eq!(norm(&["-fa"]), ["--flash-attn=on"]);
+    }
+
+    #[test]
+    fn leaves_values_alone() {
+        // a value that happens to look like a short flag is not rewritten when it follows -f
+        assert_eq!(norm(&["-f", "corpus.txt", "--chunks", "64"]), ["-f", "corpus.txt", "--chunks", "64"]);
+    }
+
+    #[test]
+    fn reports_unsupported_upstream_flags() {
+        let v = ["prog", "--rope-scale", "2"].iter().map(OsString::from).collect();
+        assert_eq!(normalize(v).1.as_deref(), Some("--rope-scale"));
+    }
+}

@@ -1,0 +1,132 @@
+//! The drop-in `llama-imatrix` flags: names, spellings and defaults as upstream's
+//! `llama-imatrix --help` at the pin prints them.
+
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    Gguf,
+    Dat,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ImatrixArgs {
+    /// model path to load
+    #[arg(short = 'm', long = "model", value_name = "FNAME")]
+    pub model: Option<PathBuf>,
+
+    /// a file containing the calibration text
+    #[arg(short = 'f', long = "file", value_name = "FNAME")]
+    pub file: Option<PathBuf>,
+
+    /// output file
+    #[arg(short = 'o', long = "output-file", visible_alias = "output", value_name = "FNAME", default_value = "imatrix.gguf")]
+    pub output_file: PathBuf,
+
+    /// output format for imatrix file (default: gguf)
+    #[arg(long = "output-format", value_name = "{gguf,dat}")]
+    pub output_format: Option<OutputFormat>,
+
+    /// size of the prompt context (0 = loaded from model)
+    #[arg(short = 'c', long = "ctx-size", value_name = "N", default_value_t = 512)]
+    pub ctx_size: i32,
+
+    /// logical maximum batch size
+    #[arg(short = 'b', long = "batch-size", value_name = "N", default_value_t = 2048)]
+    pub batch_size: i32,
+
+    /// physical maximum batch size [-ub]
+    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512)]
+    pub ubatch_size: i32,
+
+    /// number of CPU threads to use (default: -1, all cores)
+    #[arg(short = 't', long = "threads", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    pub threads: i32,
+
+    /// number of threads for batch processing (default: same as --threads) [-tb]
+    #[arg(long = "threads-batch", value_name = "N", allow_negative_numbers = true)]
+    pub threads_batch: Option<i32>,
+
+    /// max. number of layers to store in VRAM: a number, 'auto' or 'all' (default: auto) [-ngl]
+    #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N", default_value = "auto")]
+    pub n_gpu_layers: String,
+
+    /// set Flash Attention use ('on', 'off', or 'auto') [-fa]
+    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value = "auto")]
+    pub flash_attn: String,
+
+    /// how to split the model across GPUs: none, layer, row, tensor [-sm]
+    #[arg(long = "split-mode", value_name = "MODE")]
+    pub split_mode: Option<String>,
+
+    /// fraction of the model to offload to each GPU, comma-separated [-ts]
+    #[arg(long = "tensor-split", value_name = "N0,N1,...")]
+    pub tensor_split: Option<String>,
+
+    /// the GPU to use for the model [-mg]
+    #[arg(long = "main-gpu", value_name = "INDEX")]
+    pub main_gpu: Option<i32>,
+
+    /// model loading mode: auto, none, mmap, mlock, mmap+mlock, dio [-lm]
+    #[arg(long = "load-mode", value_name = "MODE", default_value = "auto")]
+    pub load_mode: String,
+
+    /// comma-separated list of RPC servers (host:port)
+    #[arg(long = "rpc", value_name = "SERVERS")]
+    pub rpc: Option<String>,
+
+    /// max number of chunks to process (-1 = all)
+    #[arg(long = "chunks", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
+    pub chunks: i32,
+
+    /// start processing the input from chunk N
+    #[arg(long = "chunk", visible_alias = "from-chunk", value_name = "N", default_value_t = 0)]
+    pub chunk: i32,
+
+    /// output the imatrix every N chunks [-ofreq]
+    #[arg(long = "output-frequency", value_name = "N", default_value_t = 10)]
+    pub output_frequency: i32,
+
+    /// save an imatrix copy (<out>.at_N) every N chunks
+    #[arg(long = "save-frequency", value_name = "N", default_value_t = 0)]
+    pub save_frequency: i32,
+
+    /// collect data for the output tensor
+    #[arg(long = "process-output")]
+    pub process_output: bool,
+
+    /// do not compute perplexity
+    #[arg(long = "no-ppl", overrides_with = "ppl")]
+    pub no_ppl: bool,
+
+    /// compute perplexity (the default)
+    #[arg(long = "ppl", overrides_with = "no_ppl")]
+    pub ppl: bool,
+
+    /// parse special tokens (chat, tool, etc)
+    #[arg(long = "parse-special")]
+    pub parse_special: bool,
+
+    /// input imatrix file(s), comma-separated; merged into the result
+    #[arg(long = "in-file", value_name = "FNAME", action = clap::ArgAction::Append)]
+    pub in_file: Vec<String>,
+
+    /// show imatrix statistics (of the single --in-file) and exit
+    #[arg(long = "show-statistics")]
+    pub show_statistics: bool,
+
+    /// log everything llama.cpp says
+    #[arg(short = 'v', long = "verbose", visible_alias = "log-verbose")]
+    pub verbose: bool,
+
+    /// verbosity threshold [-lv]
+    #[arg(long = "verbosity", visible_alias = "log-verbosity", value_name = "N")]
+    pub verbosity: Option<i32>,
+}
+
+impl ImatrixArgs {
+    pub fn compute_ppl(&self) -> bool {
+        !self.no_ppl
+    }
+}

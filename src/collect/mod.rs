@@ -1,0 +1,3 @@
+//! What the eval callback gathers: plain Rust over tensor views, no FFI, no disk.
+
+pub mod imatrix;

@@ -1,0 +1,5 @@
+//! File formats, one module each. Writers never touch a tensor; readers never touch the graph.
+
+pub mod atomic;
+pub mod imatrix;
+pub mod imatrix_stats;

@@ -1,0 +1,169 @@
+//! An inference context with our graph observer plugged into its eval callback.
+
+use super::batch::Batch;
+use super::eval_callback::{trampoline, CallbackState, GraphObserver};
+use super::model::Model;
+use super::{log, sys};
+use anyhow::{bail, Context as _, Result};
+use std::ffi::{c_void, CString};
+
+/// The context settings the compute loop controls (everything else: llama.cpp defaults).
+#[derive(Clone, Debug)]
+pub struct ContextParams {
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_ubatch: u32,
+    pub n_seq_max: u32,
+    pub n_threads: i32,
+    pub n_threads_batch: i32,
+    /// -1 auto, 0 off, 1 on (`llama_flash_attn_type`)
+    pub flash_attn: i32,
+}
+
+pub struct Context<'m, O: GraphObserver> {
+    raw: *mut sys::llama_context,
+    state: *mut CallbackState<O>,
+    model: &'m Model,
+}
+
+impl<'m, O: GraphObserver> Context<'m, O> {
+    pub fn new(model: &'m Model, p: &ContextParams, observer: O) -> Result<Self> {
+        let state = Box::into_raw(Box::new(CallbackState { observer, panic: None }));
+        // SAFETY: default params are plain data.
+        let mut cp = unsafe { sys::llama_context_default_params() };
+        cp.n_ctx = p.n_ctx;
+        cp.n_batch = p.n_batch;
+        cp.n_ubatch = p.n_ubatch;
+        cp.n_seq_max = p.n_seq_max;
+        cp.n_threads = p.n_threads;
+        cp.n_threads_batch = p.n_threads_batch;
+        cp.flash_attn_type = p.flash_attn;
+        cp.cb_eval = Some(trampoline::<O>);
+        cp.cb_eval_user_data = state as *mut c_void;
+        log::take_recent_errors();
+        // SAFETY: a live model; the callback state outlives the context (freed after it in Drop).
+        let raw = unsafe { sys::llama_init_from_model(model.as_ptr(), cp) };
+        if raw.is_null() {
+            // SAFETY: reclaim the box we leaked above; the C side never saw a context.
+            drop(unsafe { Box::from_raw(state) });
+            bail!("llama.cpp could not create a context:\n  {}", log::take_recent_errors().join("\n  "));
+        }
+        Ok(Context { raw, state, model })
+    }
+
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    pub fn batch(&self) -> Batch {
+        Batch::new(self.raw)
+    }
+
+    /// Runs the batch through the graph; the observer sees every node it asks for. A panic in
+    /// the observer stops the graph and is re-raised here.
+    pub fn decode(&mut self, batch: &mut Batch) -> Result<()> {
+        // SAFETY: live context and batch; the observer is reached only through the callback.
+        let rc = unsafe { sys::llama_process(self.raw, sys::LLAMA_PROCESS_TYPE_DECODE, batch.as_ptr()) };
+        if let Some(p) = self.state_mut().panic.take() {
+            std::panic::resume_unwind(p);
+        }
+        if rc != 0 {
+            bail!("llama_process failed with code {rc}: {}", log::take_recent_errors().join("; "));
+        }
+        Ok(())
+    }
+
+    pub fn observer(&self) -> &O {
+        // SAFETY: no decode is running while we hold &self.
+        unsafe { &(*self.state).observer }
+    }
+
+    pub fn observer_mut(&mut self) -> &mut O {
+        &mut self.state_mut().observer
+    }
+
+    fn state_mut(&mut self) -> &mut CallbackState<O> {
+        // SAFETY: exclusive access through &mut self; the callback runs only inside decode.
+        unsafe { &mut *self.state }
+    }
+
+    pub fn clear_memory(&mut self) {
+        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.raw), true) }
+    }
+
+    pub fn synchronize(&mut self) {
+        unsafe { sys::llama_synchronize(self.raw) }
+    }
+
+    /// Logits of the batch's i-th output row, `n_vocab` long.
+    pub fn logits_ith(&self, i: i32) -> &[f32] {
+        let n = self.model.vocab().n_tokens() as usize;
+        // SAFETY: valid for outputs of the last decode; length n_vocab.
+        unsafe {
+            let p = sys::llama_get_logits_ith(self.raw, i);
+            assert!(!p.is_null(), "no logits for output {i}");
+            std::slice::from_raw_parts(p, n)
+        }
+    }
+
+    /// All output logits of the last decode, row-major `[n_outputs][n_vocab]`.
+    pub fn logits(&self, n_outputs: usize) -> &[f32] {
+        let n = self.model.vocab().n_tokens() as usize;
+        // SAFETY: llama_get_logits points at n_outputs × n_vocab floats after a decode.
+        unsafe { std::slice::from_raw_parts(sys::llama_get_logits(self.raw), n_outputs * n) }
+    }
+
+    pub fn n_ctx(&self) -> u32 {
+        unsafe { sys::llama_n_ctx(self.raw) }
+    }
+
+    pub fn into_observer(self) -> O {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: free the context first (it holds the callback pointer), then take the state.
+        unsafe {
+            sys::llama_free(this.raw);
+            Box::from_raw(this.state).observer
+        }
+    }
+}
+
+impl<O: GraphObserver> Drop for Context<'_, O> {
+    fn drop(&mut self) {
+        // SAFETY: context first, since it holds a pointer to the state.
+        unsafe {
+            sys::llama_free(self.raw);
+            drop(Box::from_raw(self.state));
+        }
+    }
+}
+
+/// Registers `--rpc` servers (comma-separated HOST:PORT) as devices, as upstream's tools do.
+pub(crate) fn add_rpc_devices(servers: &str) -> Result<()> {
+    let list: Vec<&str> = servers.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    if list.is_empty() {
+        bail!("--rpc: no RPC servers specified");
+    }
+    let name = CString::new("RPC").unwrap();
+    let sym = CString::new("ggml_backend_rpc_add_server").unwrap();
+    // SAFETY: registry lookups; a null result is checked before use.
+    unsafe {
+        let reg = sys::ggml_backend_reg_by_name(name.as_ptr());
+        if reg.is_null() {
+            bail!("--rpc: this build has no RPC backend (build with the `rpc` feature)");
+        }
+        let f = sys::ggml_backend_reg_get_proc_address(reg, sym.as_ptr());
+        if f.is_null() {
+            bail!("--rpc: the RPC backend has no ggml_backend_rpc_add_server");
+        }
+        let add: unsafe extern "C" fn(*const std::ffi::c_char) -> sys::ggml_backend_reg_t = std::mem::transmute(f);
+        for s in list {
+            let ep = CString::new(s).context("--rpc: server name contains a NUL byte")?;
+            let r = add(ep.as_ptr());
+            if r.is_null() {
+                bail!("--rpc: could not connect to RPC server {s}");
+            }
+            sys::ggml_backend_register(r);
+        }
+    }
+    Ok(())
+}

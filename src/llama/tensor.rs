@@ -1,0 +1,117 @@
+//! Views of graph tensors as the eval callback sees them.
+//!
+//! `TensorInfo` is plain data (name, op, type, shape, strides) so the callback's decisions
+//! are unit-tested without a model; `Node` wraps a live `ggml_tensor` for the duration of one
+//! callback and reads its data, copying from device memory when needed.
+
+use super::sys;
+use std::ffi::CStr;
+use std::marker::PhantomData;
+
+/// The shape of a tensor, detached from ggml.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorInfo<'a> {
+    pub name: &'a str,
+    pub op: sys::ggml_op,
+    pub ty: sys::ggml_type,
+    /// elements per dimension
+    pub ne: [i64; 4],
+    /// bytes between consecutive elements of each dimension
+    pub nb: [usize; 4],
+}
+
+impl TensorInfo<'_> {
+    /// Rows = product of dimensions 1..3.
+    pub fn nrows(&self) -> i64 {
+        self.ne[1] * self.ne[2] * self.ne[3]
+    }
+
+    /// Byte offset of element (i0, i1, i2, i3).
+    pub fn offset(&self, i: [i64; 4]) -> usize {
+        (0..4).map(|d| i[d] as usize * self.nb[d]).sum()
+    }
+
+    /// Bytes spanned by the tensor's data, strides included (what `ggml_nbytes` returns).
+    pub fn nbytes(&self) -> usize {
+        if self.ne.iter().any(|&n| n <= 0) {
+            return 0;
+        }
+        // SAFETY: pure function of the type id.
+        let blck = unsafe { sys::ggml_blck_size(self.ty) } as i64;
+        let tsize = unsafe { sys::ggml_type_size(self.ty) };
+        let mut n = (self.ne[0] / blck) as usize * tsize;
+        for d in 1..4 {
+            n += (self.ne[d] as usize - 1) * self.nb[d];
+        }
+        n
+    }
+
+    /// Reads the `i32` at (i0, i1) of a 2-D integer tensor through its strides.
+    pub fn read_i32(&self, data: &[u8], i0: i64, i1: i64) -> i32 {
+        let o = i0 as usize * self.nb[0] + i1 as usize * self.nb[1];
+        i32::from_ne_bytes(data[o..o + 4].try_into().unwrap())
+    }
+}
+
+/// A live graph node during one eval-callback call.
+#[derive(Clone, Copy)]
+pub struct Node<'a> {
+    raw: *const sys::ggml_tensor,
+    _life: PhantomData<&'a sys::ggml_tensor>,
+}
+
+impl<'a> Node<'a> {
+    /// # Safety
+    /// `raw` must point to a valid tensor that outlives `'a`.
+    pub unsafe fn from_raw(raw: *const sys::ggml_tensor) -> Option<Node<'a>> {
+        (!raw.is_null()).then_some(Node { raw, _life: PhantomData })
+    }
+
+    fn t(&self) -> &'a sys::ggml_tensor {
+        // SAFETY: guaranteed by from_raw's contract.
+        unsafe { &*self.raw }
+    }
+
+    pub fn name(&self) -> &'a str {
+        // SAFETY: ggml names are NUL-terminated fixed arrays inside the tensor.
+        unsafe { CStr::from_ptr(self.t().name.as_ptr()) }.to_str().unwrap_or("")
+    }
+
+    pub fn info(&self) -> TensorInfo<'a> {
+        let t = self.t();
+        TensorInfo { name: self.name(), op: t.op, ty: t.type_, ne: t.ne, nb: t.nb }
+    }
+
+    pub fn src(&self, i: usize) -> Option<Node<'a>> {
+        let p = *self.t().src.get(i)?;
+        // SAFETY: sources of a live node are live for the same call.
+        unsafe { Node::from_raw(p) }
+    }
+
+    /// Whether the data lives in host memory (readable in place).
+    pub fn is_host(&self) -> bool {
+        let t = self.t();
+        if t.buffer.is_null() {
+            return !t.data.is_null();
+        }
+        // SAFETY: a live tensor's buffer.
+        unsafe { sys::ggml_backend_buffer_is_host(t.buffer) }
+    }
+
+    /// The tensor's bytes: borrowed in place when on the host, else copied into `scratch`.
+    pub fn bytes<'s>(&self, scratch: &'s mut Vec<u8>) -> &'s [u8]
+    where
+        'a: 's,
+    {
+        let n = self.info().nbytes();
+        let t = self.t();
+        if self.is_host() && !t.data.is_null() {
+            // SAFETY: host data of a live tensor spans nbytes.
+            return unsafe { std::slice::from_raw_parts(t.data as *const u8, n) };
+        }
+        scratch.resize(n, 0);
+        // SAFETY: copying nbytes out of a live tensor into a buffer of that size.
+        unsafe { sys::ggml_backend_tensor_get(self.raw, scratch.as_mut_ptr().cast(), 0, n) };
+        &scratch[..]
+    }
+}

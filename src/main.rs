@@ -1,0 +1,12 @@
+//! Thin entry point: parse, run, print the error chain once, exit with its code.
+
+fn main() {
+    let code = match reap_imatrix::cli::main(std::env::args_os().collect()) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("reap-imatrix: error: {e:#}");
+            reap_imatrix::cli::exit_code_for(&e)
+        }
+    };
+    std::process::exit(code);
+}

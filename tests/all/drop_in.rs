@@ -1,0 +1,194 @@
+//! Drop-in parity: our binary and upstream's `llama-imatrix` (same pin, unpatched) run with the
+//! same flags on the generated fixtures; output files must be byte-identical and the
+//! perplexity lines equal.
+
+use super::util::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+struct Pair {
+    ours_dir: PathBuf,
+    ref_dir: PathBuf,
+    ours: Output,
+    upstream: Output,
+}
+
+/// Runs both tools with `args`; `-o` names a file inside each tool's own folder.
+fn run_both(name: &str, model: &Path, out_name: &str, args: &[&str]) -> Pair {
+    let ours_dir = temp_dir(&format!("{name}-ours"));
+    let ref_dir = temp_dir(&format!("{name}-ref"));
+    let corpus = corpus();
+    let go = |bin: PathBuf, dir: &Path| {
+        run_ok(
+            Command::new(bin)
+                .current_dir(dir)
+                .arg("-m")
+                .arg(model)
+                .arg("-f")
+                .arg(&corpus)
+                .args(["-o", out_name])
+                .args(args),
+        )
+    };
+    let upstream = go(reference_bin("llama-imatrix"), &ref_dir);
+    let ours = go(super::util::ours(), &ours_dir);
+    Pair { ours_dir, ref_dir, ours, upstream }
+}
+
+impl Pair {
+    fn assert_same_file(&self, name: &str) {
+        assert_same_bytes(&self.ours_dir.join(name), &self.ref_dir.join(name));
+    }
+
+    fn assert_same_ppl(&self) {
+        let (a, b) = (ppl_lines(&self.ours), ppl_lines(&self.upstream));
+        assert!(!b.is_empty(), "upstream printed no perplexity");
+        assert_eq!(a, b, "perplexity lines differ");
+    }
+
+    /// The files each tool wrote, by name, must be the same set.
+    fn assert_same_file_set(&self) -> Vec<String> {
+        let names = |d: &Path| {
+            let mut v: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+            v.sort();
+            v
+        };
+        let (a, b) = (names(&self.ours_dir), names(&self.ref_dir));
+        assert_eq!(a, b, "the two tools wrote different files");
+        a
+    }
+}
+
+const BASE: &[&str] = &["--chunks", "6", "-t", "2"];
+
+fn args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    BASE.iter().copied().chain(extra.iter().copied()).collect()
+}
+
+#[test]
+fn qwen3moe_c512_b512_is_byte_identical() {
+    let p = run_both("q3-c512", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "512", "-b", "512", "--parse-special"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
+#[test]
+fn qwen2moe_c512_b512_is_byte_identical() {
+    let p = run_both("q2-c512", &fixture("qwen2moe"), "imatrix.gguf", &args(&["-c", "512", "-b", "512"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
+#[test]
+fn two_sequences_per_batch() {
+    let p = run_both("q3-c256", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "512"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
+#[test]
+fn ubatch_128() {
+    let p = run_both("q3-ub128", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "512", "-b", "512", "-ub", "128"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
+#[test]
+fn batch_smaller_than_context() {
+    // two batches per chunk: logits are gathered across batches before scoring
+    let p = run_both("q3-b256", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "512", "-b", "256"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
+#[test]
+fn process_output() {
+    let p = run_both("q2-out", &fixture("qwen2moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "256", "--process-output"]));
+    p.assert_same_file("imatrix.gguf");
+}
+
+#[test]
+fn skipping_the_first_chunk() {
+    let p = run_both("q3-chunk1", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "256", "--chunk", "1"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
+#[test]
+fn dat_output_format() {
+    let p = run_both("q3-dat", &fixture("qwen3moe"), "imatrix.dat", &args(&["-c", "256", "-b", "256", "--output-format", "dat"]));
+    p.assert_same_file("imatrix.dat");
+}
+
+#[test]
+fn save_frequency_writes_the_same_at_n_files() {
+    let p = run_both(
+        "q3-savefreq",
+        &fixture("qwen3moe"),
+        "imatrix.gguf",
+        &args(&["-c", "256", "-b", "256", "--save-frequency", "2", "--output-frequency", "3", "--no-ppl"]),
+    );
+    let files = p.assert_same_file_set();
+    assert!(files.iter().any(|f| f == "imatrix.gguf.at_2"), "no .at_2 file: {files:?}");
+    for f in &files {
+        p.assert_same_file(f);
+    }
+}
+
+#[test]
+fn one_thread_and_two_threads() {
+    for t in ["1", "2"] {
+        let p = run_both(&format!("q2-t{t}"), &fixture("qwen2moe"), "imatrix.gguf", &["--chunks", "4", "-c", "256", "-b", "256", "-t", t]);
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+    }
+}
+
+#[test]
+fn merging_two_in_files_and_combine_only() {
+    let model = fixture("qwen3moe");
+    let a = run_both("merge-a", &model, "a.gguf", &args(&["-c", "256", "-b", "256", "--no-ppl"]));
+    let b = run_both("merge-b", &model, "b.gguf", &args(&["-c", "256", "-b", "256", "--no-ppl", "--chunk", "6"]));
+    a.assert_same_file("a.gguf");
+    b.assert_same_file("b.gguf");
+    let list = format!("{},{}", a.ref_dir.join("a.gguf").display(), b.ref_dir.join("b.gguf").display());
+    // combine-only: no -f; -m is still required, as upstream at the pin
+    let merged = |bin: PathBuf, dir: &Path| {
+        run_ok(Command::new(bin).current_dir(dir).arg("-m").arg(&model).args(["--in-file", &list, "-o", "merged.gguf"]));
+    };
+    let (od, rd) = (temp_dir("merge-ours"), temp_dir("merge-ref"));
+    merged(reference_bin("llama-imatrix"), &rd);
+    merged(ours(), &od);
+    assert_same_bytes(&od.join("merged.gguf"), &rd.join("merged.gguf"));
+    // merging into a fresh run
+    let m2 = run_both("merge-run", &model, "m.gguf", &args(&["-c", "256", "-b", "256", "--no-ppl", "--in-file", &list]));
+    m2.assert_same_file("m.gguf");
+}
+
+#[test]
+fn quantize_accepts_our_imatrix() {
+    let model = fixture("qwen3moe");
+    let d = temp_dir("quantize");
+    run_ok(Command::new(ours()).current_dir(&d).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-c", "256", "-b", "256", "--chunks", "4", "--no-ppl", "-o", "i.gguf"]));
+    let out = run_ok(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "i.gguf"]).arg(&model).args(["q.gguf", "Q4_K_M"]));
+    assert!(d.join("q.gguf").is_file(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn too_little_text_is_refused_with_the_numbers() {
+    let d = temp_dir("short-text");
+    std::fs::write(d.join("short.txt"), "just a few words").unwrap();
+    let out = run(Command::new(ours()).current_dir(&d).arg("-m").arg(fixture("qwen3moe")).args(["-f", "short.txt", "-c", "256"]));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("you need at least 512 tokens"), "{err}");
+}
+
+#[test]
+fn a_missing_model_file_is_named() {
+    let d = temp_dir("missing-model");
+    let out = run(Command::new(ours()).current_dir(&d).args(["-m", "nope.gguf", "-f"]).arg(corpus()));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("nope.gguf"), "{err}");
+}

@@ -1,0 +1,6 @@
+//! All integration tests, in one binary (one link, shared fixtures).
+
+mod build_steps;
+mod drop_in;
+mod fixture;
+mod util;
