@@ -65,3 +65,95 @@ pub(crate) unsafe extern "C" fn trampoline<O: GraphObserver>(
     let node = unsafe { Node::from_raw(t) };
     state.dispatch(node, ask)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ggml context with one small tensor, for calling the trampoline without a model.
+    struct OneTensor {
+        ctx: *mut sys::ggml_context,
+        t: *mut sys::ggml_tensor,
+    }
+
+    impl OneTensor {
+        fn new(name: &str) -> Self {
+            unsafe {
+                let ctx = sys::ggml_init(sys::ggml_init_params { mem_size: 1 << 16, mem_buffer: std::ptr::null_mut(), no_alloc: false });
+                let t = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, 4, 2);
+                let n = std::ffi::CString::new(name).unwrap();
+                sys::ggml_set_name(t, n.as_ptr());
+                OneTensor { ctx, t }
+            }
+        }
+    }
+
+    impl Drop for OneTensor {
+        fn drop(&mut self) {
+            unsafe { sys::ggml_free(self.ctx) }
+        }
+    }
+
+    #[derive(Default)]
+    struct Recorder {
+        asked: Vec<String>,
+        seen: Vec<String>,
+        panic_on_observe: bool,
+    }
+
+    impl GraphObserver for Recorder {
+        fn wants(&mut self, node: Node<'_>) -> bool {
+            self.asked.push(node.name().to_string());
+            node.name().starts_with("want")
+        }
+        fn observe(&mut self, node: Node<'_>) -> bool {
+            if self.panic_on_observe {
+                panic!("observer failed on {}", node.name());
+            }
+            self.seen.push(node.name().to_string());
+            true
+        }
+    }
+
+    fn call(state: &mut CallbackState<Recorder>, t: &OneTensor, ask: bool) -> bool {
+        unsafe { trampoline::<Recorder>(t.t, ask, state as *mut CallbackState<Recorder> as *mut c_void) }
+    }
+
+    #[test]
+    fn asks_and_observes_through_the_trampoline() {
+        let mut st = CallbackState { observer: Recorder::default(), panic: None };
+        let (a, b) = (OneTensor::new("want_me"), OneTensor::new("skip_me"));
+        assert!(call(&mut st, &a, true));
+        assert!(!call(&mut st, &b, true));
+        assert!(call(&mut st, &a, false));
+        assert_eq!(st.observer.asked, ["want_me", "skip_me"]);
+        assert_eq!(st.observer.seen, ["want_me"]);
+        assert!(st.panic.is_none());
+    }
+
+    #[test]
+    fn a_panic_is_caught_stops_the_graph_and_is_kept_for_the_caller() {
+        let mut st = CallbackState { observer: Recorder { panic_on_observe: true, ..Default::default() }, panic: None };
+        let a = OneTensor::new("want_me");
+        assert!(!call(&mut st, &a, false), "a panicking observer must stop the graph");
+        let p = st.panic.take().expect("panic stored");
+        assert_eq!(p.downcast_ref::<String>().map(String::as_str), Some("observer failed on want_me"));
+    }
+
+    #[test]
+    fn after_a_panic_nothing_more_is_wanted_or_observed() {
+        let mut st = CallbackState { observer: Recorder::default(), panic: Some(Box::new("earlier")) };
+        let a = OneTensor::new("want_me");
+        assert!(!call(&mut st, &a, true));
+        assert!(!call(&mut st, &a, false));
+        assert!(st.observer.asked.is_empty() && st.observer.seen.is_empty());
+    }
+
+    #[test]
+    fn a_null_node_is_not_wanted_and_does_not_stop_the_graph() {
+        let mut st = CallbackState { observer: Recorder::default(), panic: None };
+        let p = &mut st as *mut CallbackState<Recorder> as *mut c_void;
+        assert!(!unsafe { trampoline::<Recorder>(std::ptr::null_mut(), true, p) });
+        assert!(unsafe { trampoline::<Recorder>(std::ptr::null_mut(), false, p) });
+    }
+}

@@ -192,3 +192,91 @@ fn a_missing_model_file_is_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("nope.gguf"), "{err}");
 }
+
+/// A token of chunk 3 (with -c 256) that chunks 1 and 2 do not contain.
+fn token_first_seen_in_third_chunk(model: &Path) -> u32 {
+    use reap_imatrix::llama::{Model, ModelParams};
+    let m = Model::load(model, &ModelParams::default()).unwrap();
+    let mut text = std::fs::read(corpus()).unwrap();
+    if text.last() == Some(&b'\n') {
+        text.pop();
+    }
+    let toks = m.vocab().tokenize(&text, true, false).unwrap();
+    let early: std::collections::HashSet<i32> = toks[..512].iter().copied().collect();
+    toks[512..768].iter().copied().find(|t| !early.contains(t)).expect("a new token in chunk 3") as u32
+}
+
+#[test]
+fn non_finite_values_stop_the_run_name_the_tensor_and_keep_the_last_checkpoint() {
+    let clean = fixture("qwen3moe");
+    let poison = token_first_seen_in_third_chunk(&clean);
+    let d = temp_dir("poisoned-model");
+    let model = d.join("poisoned.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--poison-token", &poison.to_string(), "-o"]).arg(&model));
+    let go = |bin: PathBuf, dir: &Path| {
+        run(Command::new(bin)
+            .current_dir(dir)
+            .arg("-m")
+            .arg(&model)
+            .arg("-f")
+            .arg(corpus())
+            .args(["-c", "256", "-b", "256", "--chunks", "5", "-ofreq", "1", "--no-ppl", "-t", "2", "-o", "imatrix.gguf"]))
+    };
+    let (od, rd) = (temp_dir("poisoned-ours"), temp_dir("poisoned-ref"));
+    let upstream = go(reference_bin("llama-imatrix"), &rd);
+    let ours_out = go(ours(), &od);
+    assert!(!upstream.status.success() && !ours_out.status.success());
+    let err = String::from_utf8_lossy(&ours_out.stderr);
+    assert!(err.contains("non-finite values detected in blk.0."), "{err}");
+    assert!(err.contains("(chunk 3)"), "{err}");
+    assert!(err.contains("left as it was"), "{err}");
+    // the checkpoint both tools left behind is the same, readable file
+    assert_same_bytes(&od.join("imatrix.gguf"), &rd.join("imatrix.gguf"));
+    let loaded = reap_imatrix::formats::imatrix::load(&od.join("imatrix.gguf")).unwrap();
+    assert_eq!(loaded.chunk_count, 2);
+}
+
+/// Upstream's logger is a leaked background thread (llama.cpp issue 22142): whatever it has
+/// not printed when `main` returns is lost, which at the pin loses the whole statistics table.
+/// A preloaded library that lingers 300 ms in its destructor lets it finish printing.
+fn linger_shim() -> PathBuf {
+    let d = temp_dir("linger-shim");
+    let src = d.join("linger.c");
+    std::fs::write(&src, "#include <unistd.h>\n__attribute__((destructor)) static void linger(void) { usleep(300000); }\n").unwrap();
+    let so = d.join("linger.so");
+    run_ok(Command::new("cc").args(["-shared", "-fPIC", "-o"]).arg(&so).arg(&src));
+    so
+}
+
+#[test]
+fn show_statistics_prints_upstreams_tables() {
+    let model = fixture("qwen3moe");
+    let p = run_both("stats", &model, "imatrix.gguf", &args(&["-c", "256", "-b", "256", "--no-ppl"]));
+    p.assert_same_file("imatrix.gguf");
+    let file = p.ref_dir.join("imatrix.gguf");
+    let up = run_ok(
+        Command::new(reference_bin("llama-imatrix"))
+            .env("LD_PRELOAD", linger_shim())
+            .arg("-m")
+            .arg(&model)
+            .arg("--in-file")
+            .arg(&file)
+            .arg("--show-statistics"),
+    );
+    let from_table = |text: &[u8]| -> Vec<String> {
+        String::from_utf8_lossy(text).lines().skip_while(|l| !l.starts_with("Computing statistics")).map(String::from).collect()
+    };
+    // lines its logger started itself carry a `0.00.008.696 I ` timestamp prefix: drop it
+    let strip = |l: String| -> String {
+        match l.split_once(' ') {
+            Some((stamp, rest)) if stamp.len() > 4 && stamp.chars().all(|c| c.is_ascii_digit() || c == '.') => {
+                rest.strip_prefix("I ").or(rest.strip_prefix('I')).unwrap_or(rest).to_string()
+            }
+            _ => l,
+        }
+    };
+    let upstream: Vec<String> = from_table(&up.stderr).into_iter().map(strip).collect();
+    let o = run_ok(Command::new(ours()).arg("-m").arg(&model).arg("--in-file").arg(&file).arg("--show-statistics"));
+    assert!(upstream.len() > 10, "upstream printed no table: {}", String::from_utf8_lossy(&up.stderr));
+    assert_eq!(from_table(&o.stdout), upstream);
+}

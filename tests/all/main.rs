@@ -3,4 +3,5 @@
 mod build_steps;
 mod drop_in;
 mod fixture;
+mod trampoline;
 mod util;
