@@ -4,6 +4,7 @@
 //! Data flows one way: corpus → tokens → chunks → graph → callback → collectors → writers →
 //! files. The analysis tools only read files.
 
+pub mod analyze;
 pub mod calibrate;
 pub mod cli;
 pub mod collect;

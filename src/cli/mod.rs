@@ -53,12 +53,18 @@ struct DropIn {
     args: imatrix_args::ImatrixArgs,
 }
 
-const SUBCOMMANDS: &[&str] = &["fixture"];
+const SUBCOMMANDS: &[&str] = &["fixture", "check", "select", "replay"];
 
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Write a small deterministic MoE model (GGUF) for tests and demos.
     Fixture(crate::fixture::FixtureArgs),
+    /// Verify every invariant of a saliency JSON (and its imatrix and trace); exit 0 only if all hold.
+    Check(crate::analyze::check::CheckArgs),
+    /// Keep maps (which experts to keep per layer) from a saliency JSON.
+    Select(crate::analyze::select::SelectArgs),
+    /// Expert-cache simulation over a routing trace.
+    Replay(crate::analyze::replay::ReplayArgs),
 }
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
@@ -75,9 +81,11 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         }
     };
     match cli.command {
-        Command::Fixture(args) => crate::fixture::run(&args)?,
+        Command::Fixture(args) => crate::fixture::run(&args).map(|()| 0),
+        Command::Check(args) => crate::analyze::check::run(&args),
+        Command::Select(args) => crate::analyze::select::run(&args),
+        Command::Replay(args) => crate::analyze::replay::run(&args),
     }
-    Ok(0)
 }
 
 fn drop_in(argv: Vec<OsString>) -> Result<i32> {

@@ -3,3 +3,5 @@
 pub mod atomic;
 pub mod imatrix;
 pub mod imatrix_stats;
+pub mod saliency;
+pub mod trace;

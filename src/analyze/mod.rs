@@ -1,0 +1,5 @@
+//! The downstream tools: they read files (saliency JSON, traces, imatrix), never the graph.
+
+pub mod check;
+pub mod replay;
+pub mod select;

@@ -1,0 +1,363 @@
+//! The binary routing trace (`--trace-out`): see docs/formats.md for the layout.
+//!
+//! `TraceFile` appends rows and rewrites the header after every flush, so a killed run
+//! leaves a file readable up to the last flush. `TraceReader` maps a file with memmap2 and
+//! hands out zero-copy row views.
+
+use anyhow::{bail, Context as _, Result};
+use std::fs::File;
+use std::io::{Seek, SeekFrom, Write};
+use std::path::Path;
+
+pub const MAGIC: &[u8; 8] = b"REAPTRC1";
+pub const VERSION: u32 = 1;
+/// flags bit 0: the gate weights are normalised over the top-k
+pub const FLAG_NORMALISED: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceHeader {
+    /// block index of each MoE layer, in order
+    pub layers: Vec<u32>,
+    pub n_expert: u32,
+    pub k: u32,
+    pub top_n: u32,
+    pub n_tokens: u64,
+    pub flags: u32,
+}
+
+impl TraceHeader {
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn header_size(&self) -> usize {
+        (64 + 4 * self.layers.len()).div_ceil(16) * 16
+    }
+
+    pub fn row_size(&self) -> usize {
+        let per = self.layers.len() * (self.k + self.top_n) as usize;
+        (16 + 4 * per + 2 * per).div_ceil(4) * 4
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(self.header_size());
+        b.extend_from_slice(MAGIC);
+        for v in [VERSION, self.header_size() as u32, self.layers.len() as u32, self.n_expert, self.k, self.top_n] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&self.n_tokens.to_le_bytes());
+        b.extend_from_slice(&self.flags.to_le_bytes());
+        b.extend_from_slice(&(self.row_size() as u32).to_le_bytes());
+        b.extend_from_slice(&[0u8; 16]);
+        for l in &self.layers {
+            b.extend_from_slice(&l.to_le_bytes());
+        }
+        b.resize(self.header_size(), 0);
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<TraceHeader> {
+        if b.len() < 64 || &b[..8] != MAGIC {
+            bail!("not a reap-imatrix trace (no REAPTRC1 magic)");
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let version = u32_at(8);
+        if version != VERSION {
+            bail!("unsupported trace version {version} (this build reads {VERSION})");
+        }
+        let n_layers = u32_at(16) as usize;
+        let header_size = u32_at(12) as usize;
+        if b.len() < 64 + 4 * n_layers || header_size < 64 + 4 * n_layers {
+            bail!("header says {n_layers} layers but is only {} bytes", header_size.min(b.len()));
+        }
+        let h = TraceHeader {
+            layers: (0..n_layers).map(|i| u32_at(64 + 4 * i)).collect(),
+            n_expert: u32_at(20),
+            k: u32_at(24),
+            top_n: u32_at(28),
+            n_tokens: u64::from_le_bytes(b[32..40].try_into().unwrap()),
+            flags: u32_at(40),
+        };
+        if h.header_size() != header_size || h.row_size() != u32_at(44) as usize {
+            bail!("header sizes are inconsistent (header {header_size}, row {})", u32_at(44));
+        }
+        if h.k == 0 || h.top_n < h.k || h.top_n > h.n_expert || h.n_expert > u16::MAX as u32 + 1 {
+            bail!("implausible shape: n_expert {}, k {}, top_n {}", h.n_expert, h.k, h.top_n);
+        }
+        Ok(h)
+    }
+
+    /// Byte offsets of the row's arrays.
+    pub fn layout(&self) -> RowLayout {
+        let (l, k, n) = (self.layers.len(), self.k as usize, self.top_n as usize);
+        let sel_weight = 16;
+        let cand_prob = sel_weight + 4 * l * k;
+        let sel_id = cand_prob + 4 * l * n;
+        let cand_id = sel_id + 2 * l * k;
+        RowLayout { k, n, sel_weight, cand_prob, sel_id, cand_id, size: self.row_size() }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct RowLayout {
+    pub k: usize,
+    pub n: usize,
+    pub sel_weight: usize,
+    pub cand_prob: usize,
+    pub sel_id: usize,
+    pub cand_id: usize,
+    pub size: usize,
+}
+
+/// One token's routing, as the collector hands it over.
+pub struct RowData<'a> {
+    pub chunk: u32,
+    pub pos: u32,
+    pub token: i32,
+    /// L·k, layer-major
+    pub sel_weight: &'a [f32],
+    pub cand_prob: &'a [f32],
+    pub sel_id: &'a [u16],
+    pub cand_id: &'a [u16],
+}
+
+impl RowLayout {
+    /// Appends one encoded row to `out`.
+    pub fn encode(&self, r: &RowData, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.extend_from_slice(&r.chunk.to_le_bytes());
+        out.extend_from_slice(&r.pos.to_le_bytes());
+        out.extend_from_slice(&r.token.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend(r.sel_weight.iter().flat_map(|v| v.to_le_bytes()));
+        out.extend(r.cand_prob.iter().flat_map(|v| v.to_le_bytes()));
+        out.extend(r.sel_id.iter().flat_map(|v| v.to_le_bytes()));
+        out.extend(r.cand_id.iter().flat_map(|v| v.to_le_bytes()));
+        out.resize(start + self.size, 0);
+    }
+}
+
+/// A trace being written.
+pub struct TraceFile {
+    file: File,
+    header: TraceHeader,
+}
+
+impl TraceFile {
+    pub fn create(path: &Path, mut header: TraceHeader) -> Result<TraceFile> {
+        header.n_tokens = 0;
+        let mut file = File::create(path).with_context(|| format!("creating trace {}", path.display()))?;
+        file.write_all(&header.encode()).with_context(|| format!("writing trace {}", path.display()))?;
+        Ok(TraceFile { file, header })
+    }
+
+    /// Appends `n_rows` encoded rows, then rewrites the header with the new count: a reader
+    /// never sees a count that covers rows not yet on disk.
+    pub fn append(&mut self, rows: &[u8], n_rows: u64) -> Result<()> {
+        debug_assert_eq!(rows.len(), n_rows as usize * self.header.row_size());
+        self.file.seek(SeekFrom::End(0))?;
+        self.file.write_all(rows)?;
+        self.file.sync_data()?;
+        self.header.n_tokens += n_rows;
+        self.file.seek(SeekFrom::Start(0))?;
+        self.file.write_all(&self.header.encode())?;
+        Ok(())
+    }
+
+    pub fn rows_written(&self) -> u64 {
+        self.header.n_tokens
+    }
+}
+
+/// A trace mapped for reading.
+pub struct TraceReader {
+    map: memmap2::Mmap,
+    pub header: TraceHeader,
+    layout: RowLayout,
+    /// rows readable (the header's count, or what is present when the header says 0)
+    pub n_rows: u64,
+    /// set when the header said 0 tokens but rows were present
+    pub header_count_missing: bool,
+}
+
+impl TraceReader {
+    pub fn open(path: &Path) -> Result<TraceReader> {
+        let file = File::open(path).with_context(|| format!("trace file {}", path.display()))?;
+        // SAFETY: read-only map; a concurrent writer only appends and rewrites the header.
+        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping trace {}", path.display()))?;
+        let header = TraceHeader::decode(&map).with_context(|| format!("trace file {}", path.display()))?;
+        let layout = header.layout();
+        let present = (map.len().saturating_sub(header.header_size()) / layout.size) as u64;
+        let (n_rows, header_count_missing) = if header.n_tokens == 0 && present > 0 {
+            (present, true)
+        } else if header.n_tokens > present {
+            bail!("trace file {}: header says {} rows but only {present} are present (truncated file)", path.display(), header.n_tokens);
+        } else {
+            (header.n_tokens, false)
+        };
+        Ok(TraceReader { map, header, layout, n_rows, header_count_missing })
+    }
+
+    pub fn layout(&self) -> RowLayout {
+        self.layout
+    }
+
+    pub fn row(&self, i: u64) -> Row<'_> {
+        assert!(i < self.n_rows, "row {i} out of range ({} rows)", self.n_rows);
+        let start = self.header.header_size() + i as usize * self.layout.size;
+        Row { b: &self.map[start..start + self.layout.size], l: self.layout }
+    }
+
+    pub fn rows(&self) -> impl Iterator<Item = Row<'_>> {
+        (0..self.n_rows).map(move |i| self.row(i))
+    }
+}
+
+/// A zero-copy view of one row.
+#[derive(Clone, Copy)]
+pub struct Row<'a> {
+    b: &'a [u8],
+    l: RowLayout,
+}
+
+impl<'a> Row<'a> {
+    fn u32_at(&self, o: usize) -> u32 {
+        u32::from_le_bytes(self.b[o..o + 4].try_into().unwrap())
+    }
+    pub fn chunk(&self) -> u32 {
+        self.u32_at(0)
+    }
+    pub fn pos(&self) -> u32 {
+        self.u32_at(4)
+    }
+    pub fn token(&self) -> i32 {
+        self.u32_at(8) as i32
+    }
+    /// The model's selected experts in layer slot `li` (index into the header's layer list).
+    pub fn sel_ids(&self, li: usize) -> &'a [u16] {
+        cast_u16(&self.b[self.l.sel_id + 2 * li * self.l.k..][..2 * self.l.k])
+    }
+    pub fn sel_weights(&self, li: usize) -> &'a [f32] {
+        cast_f32(&self.b[self.l.sel_weight + 4 * li * self.l.k..][..4 * self.l.k])
+    }
+    /// Router candidates, best first.
+    pub fn cand_ids(&self, li: usize) -> &'a [u16] {
+        cast_u16(&self.b[self.l.cand_id + 2 * li * self.l.n..][..2 * self.l.n])
+    }
+    pub fn cand_probs(&self, li: usize) -> &'a [f32] {
+        cast_f32(&self.b[self.l.cand_prob + 4 * li * self.l.n..][..4 * self.l.n])
+    }
+}
+
+// The file is little-endian and rows are 4-byte aligned within a page-aligned map, so on a
+// little-endian machine the arrays can be viewed in place.
+#[cfg(target_endian = "little")]
+fn cast_f32(b: &[u8]) -> &[f32] {
+    assert!(b.as_ptr() as usize % 4 == 0);
+    // SAFETY: aligned, in bounds, any bit pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), b.len() / 4) }
+}
+
+#[cfg(target_endian = "little")]
+fn cast_u16(b: &[u8]) -> &[u16] {
+    assert!(b.as_ptr() as usize % 2 == 0);
+    // SAFETY: aligned, in bounds, any bit pattern is a valid u16.
+    unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), b.len() / 2) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> TraceHeader {
+        TraceHeader { layers: vec![0, 2, 5], n_expert: 16, k: 2, top_n: 4, n_tokens: 0, flags: FLAG_NORMALISED }
+    }
+
+    fn row(h: &TraceHeader, t: u32, out: &mut Vec<u8>) {
+        let l = h.n_layers();
+        let sel_w: Vec<f32> = (0..l * 2).map(|i| i as f32 * 0.5 + t as f32).collect();
+        let cand_p: Vec<f32> = (0..l * 4).map(|i| 1.0 / (i + 1) as f32).collect();
+        let sel_id: Vec<u16> = (0..l * 2).map(|i| ((i as u32 + t) % 16) as u16).collect();
+        let cand_id: Vec<u16> = (0..l * 4).map(|i| ((i as u32 * 3 + t) % 16) as u16).collect();
+        h.layout().encode(&RowData { chunk: t / 4, pos: t % 4, token: 1000 + t as i32, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id }, out);
+    }
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("reap-trace-test-{}-{name}", std::process::id()));
+        d
+    }
+
+    #[test]
+    fn header_round_trips() {
+        let h = TraceHeader { n_tokens: 42, ..header() };
+        let b = h.encode();
+        assert_eq!(b.len(), h.header_size());
+        assert_eq!(b.len() % 16, 0);
+        assert_eq!(TraceHeader::decode(&b).unwrap(), h);
+    }
+
+    #[test]
+    fn rows_round_trip_through_a_file() {
+        let p = tmp("rt");
+        let h = header();
+        let mut f = TraceFile::create(&p, h.clone()).unwrap();
+        let mut buf = Vec::new();
+        for t in 0..3 {
+            row(&h, t, &mut buf);
+        }
+        f.append(&buf, 3).unwrap();
+        buf.clear();
+        for t in 3..5 {
+            row(&h, t, &mut buf);
+        }
+        f.append(&buf, 2).unwrap();
+        let r = TraceReader::open(&p).unwrap();
+        assert_eq!(r.n_rows, 5);
+        let x = r.row(3);
+        assert_eq!((x.chunk(), x.pos(), x.token()), (0, 3, 1003));
+        assert_eq!(x.sel_ids(1), &[((2 + 3) % 16) as u16, ((3 + 3) % 16) as u16]);
+        assert_eq!(x.sel_weights(2), &[4.0 * 0.5 + 3.0, 5.0 * 0.5 + 3.0]);
+        assert_eq!(x.cand_ids(0).len(), 4);
+        assert_eq!(x.cand_probs(0)[1], 0.5);
+        let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn rows_past_the_header_count_are_ignored_and_a_zero_count_reads_what_is_there() {
+        let p = tmp("partial");
+        let h = header();
+        let mut f = TraceFile::create(&p, h.clone()).unwrap();
+        let mut buf = Vec::new();
+        row(&h, 0, &mut buf);
+        f.append(&buf, 1).unwrap();
+        drop(f);
+        // a killed writer: one more row (and half of another) on disk, header still says 1
+        let mut extra = Vec::new();
+        row(&h, 1, &mut extra);
+        row(&h, 2, &mut extra);
+        extra.truncate(extra.len() - 7);
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes.extend_from_slice(&extra);
+        std::fs::write(&p, &bytes).unwrap();
+        let r = TraceReader::open(&p).unwrap();
+        assert_eq!((r.n_rows, r.header_count_missing), (1, false));
+        // header count 0 (an old writer): the complete rows present are read
+        bytes[32..40].copy_from_slice(&0u64.to_le_bytes());
+        std::fs::write(&p, &bytes).unwrap();
+        let r = TraceReader::open(&p).unwrap();
+        assert_eq!((r.n_rows, r.header_count_missing), (2, true));
+        let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn a_truncated_file_is_refused() {
+        let p = tmp("trunc");
+        let h = TraceHeader { n_tokens: 10, ..header() };
+        std::fs::write(&p, h.encode()).unwrap();
+        let e = TraceReader::open(&p).err().unwrap();
+        assert!(format!("{e:#}").contains("header says 10 rows but only 0"), "{e:#}");
+        std::fs::write(&p, b"junk").unwrap();
+        assert!(format!("{:#}", TraceReader::open(&p).err().unwrap()).contains("REAPTRC1"));
+        let _ = std::fs::remove_file(&p);
+    }
+}
