@@ -3,11 +3,16 @@
 //! chunk, put BOS first when the vocab adds it, request every output, and print perplexity
 //! over the second half of each chunk.
 
+pub mod metadata;
 pub mod observer;
 pub mod perplexity;
 pub mod writer;
 
-use crate::cli::imatrix_args::{ImatrixArgs, OutputFormat};
+use crate::cli::imatrix_args::{beside_output, ImatrixArgs, OutputFormat};
+use crate::collect::trace_rows::{BatchLayout, SeqSpan, TraceRows};
+use crate::formats::trace::{TraceHeader, FLAG_NORMALISED};
+use observer::{Checkpoint, ReapState};
+use serde_json::{json, Value};
 use crate::cli::UsageError;
 use crate::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig, SaveRequest};
 use crate::formats::imatrix as imatrix_file;
@@ -33,6 +38,8 @@ pub struct Plan {
     pub format: ImatrixFormat,
     pub in_files: Vec<PathBuf>,
     pub prompt_file: String,
+    /// the saliency JSON; None with --no-reap
+    pub reap_out: Option<PathBuf>,
 }
 
 impl Plan {
@@ -69,7 +76,14 @@ impl Plan {
             }
         }
         let prompt_file = args.file.as_ref().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, args })
+        let reap_out = (!args.no_reap).then(|| args.reap_out.clone().unwrap_or_else(|| beside_output(&args.output_file, ".reap.json")));
+        if args.no_reap && (args.trace_out.is_some() || args.reap_out.is_some()) {
+            bail!(UsageError("--no-reap cannot be combined with --reap-out or --trace-out".into()));
+        }
+        if args.trace_top_n == 0 {
+            bail!(UsageError("--trace-top-n must be at least 1".into()));
+        }
+        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, args })
     }
 
     /// Tokens per chunk as the imatrix file records it: n_ctx / n_parallel.
@@ -133,28 +147,146 @@ pub fn run(args: ImatrixArgs) -> Result<()> {
         return w.finish();
     };
     let text = read_text(&text_path)?;
+    let model_size = std::fs::metadata(&model_path).map(|m| m.len()).unwrap_or(0);
+    // hashing a large model takes a while: do it beside the compute
+    let model_sha = {
+        let p = model_path.clone();
+        std::thread::spawn(move || metadata::sha256_file(&p).ok())
+    };
     let model = Model::load(&model_path, &model_params(&plan.args)?)?;
     let ctx_params = context_params(&plan)?;
-    let mut ctx = Context::new(&model, &ctx_params, CalibrationObserver::new(collector))?;
+    let reap = plan.reap_out.as_ref().map(|_| {
+        let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n, plan.args.trace_tokens.unwrap_or(u64::MAX)));
+        ReapState::new(trace)
+    });
+    let mut ctx = Context::new(&model, &ctx_params, CalibrationObserver::new(collector, reap))?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
     }
-    let writer = Writer::spawn();
-    let outcome = compute(&plan, &mut ctx, &text, &writer);
+    let mut out = Outputs {
+        plan: &plan,
+        writer: Writer::spawn(),
+        trace_started: false,
+        model_block: metadata::model_block(&model, &model_path, model_size, None),
+        corpus_block: json!({
+            "path": plan.prompt_file,
+            "bytes": text.len() + 1,
+            "sha256": metadata::sha256_file(&text_path).ok(),
+            "parse_special": plan.args.parse_special,
+        }),
+        chunks_done: 0,
+    };
+    let outcome = compute(&plan, &mut ctx, &text, &mut out);
     // queued checkpoints are consistent states: they go to disk whatever happened
-    drain_saves(&plan, &mut ctx, &writer);
+    out.flush(&mut ctx);
     if let Err(e) = outcome {
-        let w = writer.finish();
+        let w = out.writer.finish();
         return Err(e.context(match w {
             Ok(()) => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
             Err(we) => format!("and writing the last checkpoint failed too: {we:#}"),
         }));
     }
     let state = ctx.observer().imatrix.state.clone();
-    writer.send(plan.job(SaveRequest { at: None, state }));
-    writer.finish()?;
+    out.writer.send(plan.job(SaveRequest { at: None, state }));
+    let sha = model_sha.join().ok().flatten();
+    out.model_block = metadata::model_block(&model, &model_path, model_size, sha.as_deref());
+    if let Some(reap_out) = &plan.reap_out {
+        match ctx.observer().saliency() {
+            Some(s) if !s.layers.is_empty() => {
+                if s.tokens == 0 || s.layers.iter().all(|l| l.count.iter().all(|&c| c == 0)) {
+                    bail!("REAP collection saw no routed tokens; {} was not written", reap_out.display());
+                }
+                let s = out.with_metadata(&ctx, s);
+                out.writer.send(Job::Saliency { path: reap_out.clone(), saliency: Box::new(s) });
+            }
+            _ => eprintln!("notice: {} is a dense model (no MoE layers): imatrix only, no saliency JSON", model_path.display()),
+        }
+    }
+    out.writer.finish()?;
     eprintln!("imatrix written to {}", plan.args.output_file.display());
+    if let (Some(p), Some(s)) = (&plan.reap_out, ctx.observer().saliency().filter(|s| !s.layers.is_empty())) {
+        eprintln!("REAP saliency written to {} ({} MoE layers, {} tokens)", p.display(), s.layers.len(), s.tokens);
+    }
+    if let Some(t) = &plan.args.trace_out {
+        eprintln!("routing trace written to {} ({} rows)", t.display(), ctx.observer().reap.as_ref().and_then(|r| r.trace.as_ref()).map_or(0, |t| t.rows));
+    }
     Ok(())
+}
+
+/// Everything that leaves the compute thread: checkpoints, the saliency JSON, trace rows.
+struct Outputs<'p> {
+    plan: &'p Plan,
+    writer: Writer,
+    trace_started: bool,
+    model_block: Value,
+    corpus_block: Value,
+    chunks_done: usize,
+}
+
+impl Outputs<'_> {
+    fn run_block(&self) -> Value {
+        let a = &self.plan.args;
+        json!({
+            "ctx": self.plan.n_ctx, "batch": self.plan.n_batch, "ubatch": a.ubatch_size, "n_seq": self.plan.n_seq,
+            "chunks": a.chunks, "chunks_done": self.chunks_done, "from_chunk": a.chunk,
+            "output_frequency": a.output_frequency, "threads": a.threads, "n_gpu_layers": a.n_gpu_layers,
+            "trace_top_n": a.trace_top_n, "trace_tokens": a.trace_tokens,
+        })
+    }
+
+    fn with_metadata(&self, ctx: &Context<'_, CalibrationObserver>, mut s: crate::formats::saliency::Saliency) -> crate::formats::saliency::Saliency {
+        let wn = ctx.observer().reap.as_ref().and_then(|r| r.weights_node.clone());
+        let routing = json!({
+            "weights_node": wn,
+            "normalised": wn.as_deref().is_some_and(is_normalised_node),
+            "layers": s.layers.iter().map(|l| json!({"layer": l.layer, "n_expert": l.n_expert, "n_expert_used": l.n_expert_used})).collect::<Vec<_>>(),
+        });
+        s.metadata = metadata::assemble(self.model_block.clone(), self.corpus_block.clone(), self.run_block(), routing);
+        s
+    }
+
+    /// Hands everything the observer queued to the writer.
+    fn flush(&mut self, ctx: &mut Context<'_, CalibrationObserver>) {
+        let checkpoints: Vec<Checkpoint> = ctx.observer_mut().checkpoints.drain(..).collect();
+        for c in checkpoints {
+            self.writer.send(self.plan.job(c.imatrix));
+            if let (Some(path), Some(s)) = (&self.plan.reap_out, c.reap) {
+                if !s.layers.is_empty() {
+                    let s = self.with_metadata(ctx, s);
+                    self.writer.send(Job::Saliency { path: path.clone(), saliency: Box::new(s) });
+                }
+            }
+        }
+        let Some(trace_path) = self.plan.args.trace_out.clone() else { return };
+        let obs = ctx.observer_mut();
+        let Some(r) = obs.reap.as_mut() else { return };
+        let Some(t) = r.trace.as_mut() else { return };
+        if t.pending_rows == 0 {
+            return;
+        }
+        if !self.trace_started {
+            let first = &r.sums.layers[0];
+            let header = TraceHeader {
+                layers: r.sums.layers.iter().map(|l| l.layer).collect(),
+                n_expert: first.n_expert as u32,
+                k: first.n_expert_used as u32,
+                top_n: t.top_n as u32,
+                n_tokens: 0,
+                flags: if r.weights_node.as_deref().is_some_and(is_normalised_node) { FLAG_NORMALISED } else { 0 },
+            };
+            self.writer.send(Job::TraceCreate { path: trace_path, header });
+            self.trace_started = true;
+        }
+        let rows = std::mem::replace(&mut t.buf, self.writer.row_buffer());
+        let n = std::mem::take(&mut t.pending_rows);
+        r.rows_handed += n;
+        self.writer.send(Job::TraceRows { rows, n });
+    }
+}
+
+/// Whether the gate weights the graph applies come out of the top-k normalisation.
+fn is_normalised_node(name: &str) -> bool {
+    name.starts_with("ffn_moe_weights_norm")
 }
 
 /// The corpus, as upstream reads `-f`: bytes, one trailing newline removed.
@@ -209,13 +341,7 @@ fn context_params(plan: &Plan) -> Result<ContextParams> {
     })
 }
 
-fn drain_saves(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, writer: &Writer) {
-    for req in ctx.observer_mut().imatrix.pending_saves.drain(..).collect::<Vec<_>>() {
-        writer.send(plan.job(req));
-    }
-}
-
-fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8], writer: &Writer) -> Result<()> {
+fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8], outputs: &mut Outputs) -> Result<()> {
     let model = ctx.model();
     let vocab = model.vocab();
     let add_bos = vocab.add_bos();
@@ -269,16 +395,22 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             let batch_start = start + j * n_batch;
             let batch_size = (end - batch_start).min(n_batch);
             batch.clear();
+            let mut fed: Vec<i32> = Vec::with_capacity(n_seq_batch * batch_size);
             for seq in 0..n_seq_batch {
                 let seq_start = batch_start + seq * n_ctx;
                 for k in 0..batch_size {
                     // BOS replaces the first token of each chunk when the vocab adds BOS
                     let tok = if add_bos && j == 0 && k == 0 { vocab.bos() } else { tokens[seq_start + k] };
                     batch.add(tok, (j * n_batch + k) as i32, seq as i32, true);
+                    fed.push(tok);
                 }
             }
+            if let Some(r) = ctx.observer_mut().reap.as_mut() {
+                r.batch = batch_rows(i, j * n_batch, batch_size, n_seq_batch, plan.args.ubatch_size.min(plan.n_batch) as usize, &fed);
+            }
             let r = ctx.decode(&mut batch);
-            drain_saves(plan, ctx, writer);
+            ctx.observer_mut().finish_ubatch();
+            outputs.flush(ctx);
             if let Some(f) = ctx.observer_mut().failure.take() {
                 bail!("{f}");
             }
@@ -310,6 +442,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             logits.clear();
         }
         i += n_seq;
+        outputs.chunks_done = i.min(n_chunk);
         if progress {
             let done = i.min(n_chunk);
             let rate = t_run.elapsed().as_secs_f64() / done as f64;
@@ -327,4 +460,26 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
         }
     }
     Ok(())
+}
+
+/// The rows of every ubatch of one batch: `n_seq` sequences (chunks `chunk0..`), each
+/// `len` tokens from position `pos0`; `fed` is what the batch holds, sequence after sequence.
+fn batch_rows(chunk0: usize, pos0: usize, len: usize, n_seq: usize, n_ubatch: usize, fed: &[i32]) -> observer::BatchRows {
+    let layout = BatchLayout {
+        seqs: (0..n_seq).map(|s| SeqSpan { chunk: (chunk0 + s) as u32, pos0: pos0 as u32, tok0: s * len, len }).collect(),
+        n_ubatch,
+    };
+    let ubatches = layout
+        .ubatches()
+        .into_iter()
+        .map(|u| {
+            u.into_iter()
+                .map(|(s, o)| {
+                    let sp = layout.seqs[s];
+                    (sp.chunk, sp.pos0 + o as u32, fed[sp.tok0 + o])
+                })
+                .collect()
+        })
+        .collect();
+    observer::BatchRows { ubatches, current: None }
 }

@@ -1,59 +1,233 @@
 //! The graph observer of a calibration run: decides which nodes to read and hands their data
-//! to the collectors.
+//! to the collectors (imatrix always; REAP and the trace rows unless `--no-reap`).
 
-use crate::collect::imatrix::{self, ImatrixCollector};
+use crate::collect::imatrix::{self, ImatrixCollector, SaveRequest};
+use crate::collect::reap::{layer_of, ReapCollector};
+use crate::collect::trace_rows::TraceRows;
 use crate::llama::{sys, GraphObserver, Node};
+
+/// A checkpoint taken inside the graph, at the moment upstream would write one.
+pub struct Checkpoint {
+    pub imatrix: SaveRequest,
+    /// REAP sums at the same moment (only for the rolling checkpoint, not `.at_N` copies)
+    pub reap: Option<crate::formats::saliency::Saliency>,
+}
+
+/// What REAP collection knows about the batch in flight.
+#[derive(Default)]
+pub struct BatchRows {
+    /// per ubatch, per row: (chunk, pos, token id)
+    pub ubatches: Vec<Vec<(u32, u32, i32)>>,
+    /// index of the ubatch being computed (None before the ubatch's first node)
+    pub current: Option<usize>,
+}
+
+pub struct ReapState {
+    pub sums: ReapCollector,
+    pub trace: Option<TraceRows>,
+    pub batch: BatchRows,
+    /// the node the gate weights come from (`ffn_moe_weights_norm-0`, …), for the metadata
+    pub weights_node: Option<String>,
+    /// rows handed to the trace writer so far
+    pub rows_handed: u64,
+}
 
 pub struct CalibrationObserver {
     pub imatrix: ImatrixCollector,
-    /// the chunk being computed, for error messages
+    pub reap: Option<ReapState>,
+    /// the chunk being computed (1-based), for error messages
     pub chunk: i32,
     /// the first failure; the graph is stopped when it is set
     pub failure: Option<String>,
-    scratch_src1: Vec<u8>,
-    scratch_ids: Vec<u8>,
+    pub checkpoints: Vec<Checkpoint>,
+    scratch_a: Vec<u8>,
+    scratch_b: Vec<u8>,
+}
+
+const PROBS: &str = "ffn_moe_probs";
+const TOPK: &str = "ffn_moe_topk";
+const WEIGHTED: &str = "ffn_moe_weighted";
+/// The token-embedding lookup (`GET_ROWS` of `inp_tokens`) opens every ubatch's graph.
+fn is_ubatch_start(node: Node<'_>) -> bool {
+    node.info().op == sys::GGML_OP_GET_ROWS && node.src(1).is_some_and(|s| s.name() == "inp_tokens")
 }
 
 impl CalibrationObserver {
-    pub fn new(imatrix: ImatrixCollector) -> Self {
-        CalibrationObserver { imatrix, chunk: 0, failure: None, scratch_src1: Vec::new(), scratch_ids: Vec::new() }
+    pub fn new(imatrix: ImatrixCollector, reap: Option<ReapState>) -> Self {
+        CalibrationObserver { imatrix, reap, chunk: 0, failure: None, checkpoints: Vec::new(), scratch_a: Vec::new(), scratch_b: Vec::new() }
     }
+
+    /// A snapshot of the REAP sums in file form.
+    pub fn saliency(&self) -> Option<crate::formats::saliency::Saliency> {
+        let r = self.reap.as_ref()?;
+        Some(crate::formats::saliency::Saliency {
+            tokens: r.sums.tokens_seen,
+            nonfinite_drops: r.sums.nonfinite_drops,
+            trace_tokens_written: r.trace.as_ref().map_or(0, |t| t.rows),
+            metadata: Default::default(),
+            layers: r.sums.layers.clone(),
+        })
+    }
+
+    /// Moves the imatrix collector's save requests into checkpoints, with REAP state attached.
+    fn take_saves(&mut self) {
+        if self.imatrix.pending_saves.is_empty() {
+            return;
+        }
+        let saves: Vec<SaveRequest> = self.imatrix.pending_saves.drain(..).collect();
+        for s in saves {
+            let reap = if s.at.is_none() { self.saliency() } else { None };
+            self.checkpoints.push(Checkpoint { imatrix: s, reap });
+        }
+    }
+
+    fn fail(&mut self, msg: String) -> bool {
+        self.failure.get_or_insert(msg);
+        false
+    }
+
+    /// Encodes the trace rows of the ubatch that just finished.
+    pub fn finish_ubatch(&mut self) {
+        let Some(r) = self.reap.as_mut() else { return };
+        let (Some(t), Some(u)) = (r.trace.as_mut(), r.batch.current) else { return };
+        if t.done() || r.sums.layers.is_empty() {
+            return;
+        }
+        let k = r.sums.layers[0].n_expert_used;
+        let header = crate::formats::trace::TraceHeader {
+            layers: r.sums.layers.iter().map(|l| l.layer).collect(),
+            n_expert: r.sums.layers[0].n_expert as u32,
+            k: k as u32,
+            top_n: t.top_n as u32,
+            n_tokens: 0,
+            flags: 0,
+        };
+        let sources = &r.batch.ubatches[u];
+        t.add_ubatch(&header.layout(), &r.sums.routing, sources);
+    }
+
+    fn observe_reap(&mut self, node: Node<'_>) -> bool {
+        let name = node.name();
+        let Some(r) = self.reap.as_mut() else { return true };
+        let result = if is_ubatch_start(node) {
+            // a new ubatch: the previous one is complete
+            let next = r.batch.current.map_or(0, |c| c + 1);
+            if r.batch.current.is_some() {
+                self.finish_ubatch();
+            }
+            let r = self.reap.as_mut().unwrap();
+            r.batch.current = Some(next);
+            check_ubatch_tokens(&r.batch, next, node, &mut self.scratch_a)
+        } else if let Some(block) = layer_of(name, PROBS) {
+            let t = node.info();
+            let data = node.bytes(&mut self.scratch_a);
+            r.sums.slot_for(block, t.ne[0] as usize, 0).and_then(|s| r.sums.on_probs(s, &t, data))
+        } else if let Some(block) = layer_of(name, TOPK) {
+            let t = node.info();
+            let data = node.bytes(&mut self.scratch_a);
+            match r.sums.slot(block) {
+                None => Err(format!("{name} came before ffn_moe_probs-{block}")),
+                Some(s) => r.sums.on_topk(s, &t, data),
+            }
+        } else if let Some(block) = layer_of(name, WEIGHTED) {
+            let (Some(f), Some(g)) = (node.src(0), node.src(1)) else { return self.fail(format!("{name}: no sources")) };
+            if f.info().op == sys::GGML_OP_REPEAT {
+                return self.fail(format!(
+                    "{name}: this architecture weights the experts' inputs, not their outputs; REAP saliency is not defined for it here (use --no-reap)"
+                ));
+            }
+            if r.weights_node.is_none() {
+                r.weights_node = Some(g.name().to_string());
+            }
+            match r.sums.slot(block) {
+                None => Err(format!("{name}: routing of layer {block} was not seen first")),
+                Some(s) => {
+                    let fd = f.bytes(&mut self.scratch_a);
+                    let gd = g.bytes(&mut self.scratch_b);
+                    r.sums.on_weighted(s, &f.info(), fd, &g.info(), gd)
+                }
+            }
+        } else {
+            Ok(())
+        };
+        match result {
+            Ok(()) => true,
+            Err(e) => self.fail(format!("{e} (chunk {})", self.chunk)),
+        }
+    }
+}
+
+/// The graph's own input tokens for ubatch `u` must be the ones we expect in each row.
+fn check_ubatch_tokens(batch: &BatchRows, u: usize, node: Node<'_>, scratch: &mut Vec<u8>) -> Result<(), String> {
+    let Some(expected) = batch.ubatches.get(u) else {
+        return Err(format!("llama.cpp computed more ubatches than expected ({})", batch.ubatches.len()));
+    };
+    let Some(ids) = node.src(1) else { return Ok(()) };
+    let t = ids.info();
+    if t.ty != sys::GGML_TYPE_I32 {
+        return Ok(()); // embeddings input: nothing to check against
+    }
+    let data = ids.bytes(scratch);
+    if t.ne[0] as usize != expected.len() {
+        return Err(format!("ubatch {u} has {} tokens, expected {}: llama.cpp split the batch differently", t.ne[0], expected.len()));
+    }
+    for (r, &(_, pos, tok)) in expected.iter().enumerate() {
+        let got = t.read_i32(data, r as i64, 0);
+        if got != tok {
+            return Err(format!("ubatch {u} row {r} (pos {pos}) holds token {got}, expected {tok}: llama.cpp split the batch differently"));
+        }
+    }
+    Ok(())
+}
+
+impl ReapState {
+    pub fn new(trace: Option<TraceRows>) -> Self {
+        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, rows_handed: 0 }
+    }
+}
+
+fn is_reap_node(node: Node<'_>) -> bool {
+    let name = node.name();
+    layer_of(name, PROBS).is_some() || layer_of(name, TOPK).is_some() || layer_of(name, WEIGHTED).is_some() || is_ubatch_start(node)
 }
 
 impl GraphObserver for CalibrationObserver {
     fn wants(&mut self, node: Node<'_>) -> bool {
+        if self.reap.is_some() && is_reap_node(node) {
+            return true;
+        }
         let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return false };
         let t = node.info();
         imatrix::wants(t.op, imatrix::filter_tensor_name(src0.name()), &src1.info(), self.imatrix.cfg.process_output)
     }
 
     fn observe(&mut self, node: Node<'_>) -> bool {
+        let op = node.info().op;
+        if op != sys::GGML_OP_MUL_MAT && op != sys::GGML_OP_MUL_MAT_ID {
+            return self.observe_reap(node);
+        }
         let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return true };
         let wname = imatrix::filter_tensor_name(src0.name()).to_string();
         let s1 = src1.info();
         if s1.nb[0] != 4 || s1.ty != sys::GGML_TYPE_F32 {
-            self.failure = Some(format!("{wname}: input is not contiguous f32 (type {}, nb0 {})", s1.ty, s1.nb[0]));
-            return false;
+            return self.fail(format!("{wname}: input is not contiguous f32 (type {}, nb0 {})", s1.ty, s1.nb[0]));
         }
-        let data = src1.bytes(&mut self.scratch_src1);
-        let result = if node.info().op == sys::GGML_OP_MUL_MAT_ID {
-            let Some(ids) = node.src(2) else {
-                self.failure = Some(format!("{wname}: MUL_MAT_ID without ids"));
-                return false;
-            };
-            let ids_data = ids.bytes(&mut self.scratch_ids);
+        let data = src1.bytes(&mut self.scratch_a);
+        let result = if op == sys::GGML_OP_MUL_MAT_ID {
+            let Some(ids) = node.src(2) else { return self.fail(format!("{wname}: MUL_MAT_ID without ids")) };
+            let ids_data = ids.bytes(&mut self.scratch_b);
             self.imatrix.collect_mul_mat_id(&wname, src0.info().ne[2], &s1, data, &ids.info(), ids_data)
         } else {
             self.imatrix.collect_mul_mat(&wname, src0.info().ne, &s1, data)
         };
         if let Err(e) = result {
-            self.failure = Some(e);
-            return false;
+            return self.fail(e);
         }
         if let Some(nf) = &self.imatrix.error {
-            self.failure = Some(format!("non-finite values detected in {} (chunk {})", nf.tensor, self.chunk));
-            return false;
+            let msg = format!("non-finite values detected in {} (chunk {})", nf.tensor, self.chunk);
+            return self.fail(msg);
         }
+        self.take_saves();
         true
     }
 }

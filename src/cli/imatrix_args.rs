@@ -116,6 +116,30 @@ pub struct ImatrixArgs {
     #[arg(long = "show-statistics")]
     pub show_statistics: bool,
 
+    /// REAP saliency JSON (default: beside -o, `<stem>.reap.json`)
+    #[arg(long = "reap-out", value_name = "PATH", help_heading = "REAP")]
+    pub reap_out: Option<PathBuf>,
+
+    /// imatrix only: no REAP saliency, no trace
+    #[arg(long = "no-reap", help_heading = "REAP")]
+    pub no_reap: bool,
+
+    /// binary routing trace (off unless given); see docs/formats.md
+    #[arg(long = "trace-out", value_name = "PATH", help_heading = "REAP")]
+    pub trace_out: Option<PathBuf>,
+
+    /// trace only the first N tokens (default: all)
+    #[arg(long = "trace-tokens", value_name = "N", help_heading = "REAP")]
+    pub trace_tokens: Option<u64>,
+
+    /// router candidates kept per token and layer (at most n_expert)
+    #[arg(long = "trace-top-n", value_name = "N", default_value_t = 64, help_heading = "REAP")]
+    pub trace_top_n: usize,
+
+    /// run manifest (default: beside -o, `<stem>.manifest.json`)
+    #[arg(long = "manifest-out", value_name = "PATH", help_heading = "REAP")]
+    pub manifest_out: Option<PathBuf>,
+
     /// log everything llama.cpp says
     #[arg(short = 'v', long = "verbose", visible_alias = "log-verbose")]
     pub verbose: bool,
@@ -129,4 +153,10 @@ impl ImatrixArgs {
     pub fn compute_ppl(&self) -> bool {
         !self.no_ppl
     }
+}
+
+/// `dir/imatrix.gguf` → `dir/imatrix<suffix>`: the contract's default names beside `-o`.
+pub fn beside_output(output: &std::path::Path, suffix: &str) -> PathBuf {
+    let stem = output.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "imatrix".into());
+    output.with_file_name(format!("{stem}{suffix}"))
 }

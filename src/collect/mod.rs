@@ -1,3 +1,5 @@
 //! What the eval callback gathers: plain Rust over tensor views, no FFI, no disk.
 
 pub mod imatrix;
+pub mod reap;
+pub mod trace_rows;

@@ -1,0 +1,156 @@
+//! Keep maps: which experts each MoE layer keeps (written by `select`, read by `replay`).
+//! The layout is in docs/select.md.
+
+use crate::formats::atomic;
+use anyhow::{bail, Context as _, Result};
+use serde_json::{json, Value};
+use std::path::Path;
+
+pub const FORMAT: &str = "reap-keep-map";
+pub const VERSION: u64 = 1;
+
+/// The saliency JSON a map was fitted on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Source {
+    pub path: String,
+    /// sha256 of the JSON file's bytes, lowercase hex
+    pub sha256: String,
+    /// tokens the saliency sums cover (the first `tokens` tokens of that run)
+    pub tokens: u64,
+    /// rows that run wrote to its trace (the run's first tokens); 0 without a trace
+    pub trace_tokens_written: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeepLayer {
+    /// block index; None when the file holds plain lists (then the position is the MoE layer slot)
+    pub layer: Option<u32>,
+    /// kept expert ids, sorted ascending, unique
+    pub keep: Vec<u16>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct KeepMap {
+    pub method: String,
+    pub k: usize,
+    pub parameters: Value,
+    pub source: Option<Source>,
+    pub layers: Vec<KeepLayer>,
+}
+
+impl KeepMap {
+    pub fn to_json(&self) -> Value {
+        let layers: Vec<Value> = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| json!({"layer": l.layer.unwrap_or(i as u32), "keep": l.keep}))
+            .collect();
+        let source = self.source.as_ref().map(|s| {
+            json!({"path": s.path, "sha256": s.sha256, "tokens": s.tokens, "trace_tokens_written": s.trace_tokens_written})
+        });
+        json!({
+            "format": FORMAT,
+            "version": VERSION,
+            "method": self.method,
+            "k": self.k,
+            "parameters": self.parameters,
+            "source": source,
+            "layers": layers,
+        })
+    }
+
+    /// Writes the map atomically (pretty JSON, one line per layer's list is not guaranteed).
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let mut text = serde_json::to_string_pretty(&self.to_json())?;
+        text.push('\n');
+        atomic::write_bytes(path, text.as_bytes()).with_context(|| format!("writing keep map {}", path.display()))
+    }
+
+    /// Reads a map. Accepts our own files and the contract's minimal form: `"method"`, `"k"`
+    /// and `"layers"` as plain lists of ids or objects with `"layer"` and `"keep"`.
+    pub fn read(path: &Path) -> Result<KeepMap> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("keep map {}", path.display()))?;
+        let v: Value = serde_json::from_str(&text).with_context(|| format!("keep map {}: not valid JSON", path.display()))?;
+        Self::from_json(&v).with_context(|| format!("keep map {}", path.display()))
+    }
+
+    pub fn from_json(v: &Value) -> Result<KeepMap> {
+        if let Some(f) = v.get("format") {
+            if f.as_str() != Some(FORMAT) {
+                bail!("\"format\" is {f}, not \"{FORMAT}\"");
+            }
+        }
+        let layers = v.get("layers").and_then(Value::as_array).context("missing array \"layers\"")?;
+        let mut out = Vec::with_capacity(layers.len());
+        for (i, l) in layers.iter().enumerate() {
+            let (layer, ids) = match l {
+                Value::Array(a) => (None, a),
+                Value::Object(_) => {
+                    let layer = l.get("layer").and_then(Value::as_u64).with_context(|| format!("layers[{i}]: missing integer \"layer\""))?;
+                    let a = l.get("keep").and_then(Value::as_array).with_context(|| format!("layers[{i}]: missing array \"keep\""))?;
+                    (Some(u32::try_from(layer).with_context(|| format!("layers[{i}]: layer {layer} is out of range"))?), a)
+                }
+                _ => bail!("layers[{i}] is neither a list of ids nor an object"),
+            };
+            let mut keep = Vec::with_capacity(ids.len());
+            for x in ids {
+                let id = x.as_u64().filter(|&id| id <= u16::MAX as u64).with_context(|| format!("layers[{i}]: {x} is not an expert id"))?;
+                keep.push(id as u16);
+            }
+            keep.sort_unstable();
+            if keep.windows(2).any(|w| w[0] == w[1]) {
+                bail!("layers[{i}] lists an expert twice");
+            }
+            out.push(KeepLayer { layer, keep });
+        }
+        let source = match v.get("source") {
+            Some(s @ Value::Object(_)) => Some(Source {
+                path: s.get("path").and_then(Value::as_str).unwrap_or("").to_string(),
+                sha256: s.get("sha256").and_then(Value::as_str).unwrap_or("").to_string(),
+                tokens: s.get("tokens").and_then(Value::as_u64).unwrap_or(0),
+                trace_tokens_written: s.get("trace_tokens_written").and_then(Value::as_u64).unwrap_or(0),
+            }),
+            _ => None,
+        };
+        Ok(KeepMap {
+            method: v.get("method").and_then(Value::as_str).unwrap_or("").to_string(),
+            k: v.get("k").and_then(Value::as_u64).unwrap_or(0) as usize,
+            parameters: v.get("parameters").cloned().unwrap_or(Value::Null),
+            source,
+            layers: out,
+        })
+    }
+}
+
+/// Lowercase hex sha256 of `bytes`.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let d = Sha256::digest(bytes);
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keep_map_round_trips_and_reads_the_minimal_form() {
+        let m = KeepMap {
+            method: "reap_l2_sum".into(),
+            k: 2,
+            parameters: json!({"min_count": 0}),
+            source: Some(Source { path: "a.json".into(), sha256: sha256_hex(b"abc"), tokens: 10, trace_tokens_written: 4 }),
+            layers: vec![KeepLayer { layer: Some(3), keep: vec![1, 5] }, KeepLayer { layer: Some(4), keep: vec![0, 2] }],
+        };
+        assert_eq!(KeepMap::from_json(&m.to_json()).unwrap(), m);
+        assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        let minimal = KeepMap::from_json(&json!({"method": "x", "k": 2, "layers": [[5, 1], [2, 0]]})).unwrap();
+        assert_eq!(minimal.layers[0], KeepLayer { layer: None, keep: vec![1, 5] });
+        assert!(minimal.source.is_none());
+        let e = KeepMap::from_json(&json!({"layers": [[1, 1]]})).unwrap_err();
+        assert!(format!("{e:#}").contains("twice"), "{e:#}");
+        let e = KeepMap::from_json(&json!({"layers": [[70000]]})).unwrap_err();
+        assert!(format!("{e:#}").contains("not an expert id"), "{e:#}");
+    }
+}

@@ -1,0 +1,288 @@
+//! REAP saliency, per MoE layer and expert, from three graph nodes of each layer:
+//! - `ffn_moe_probs-L`: the router probabilities `[n_expert, T]` (before top-k normalisation);
+//! - `ffn_moe_topk-L`: the selected expert ids, a strided view `[k, T]` of the argsort result
+//!   (never MUL_MAT_ID's `src[2]`, which an expert cache or remapping rewrites);
+//! - `ffn_moe_weighted-L`: `src[0]` is the experts' outputs `f` `[n_embd, k, T]` before
+//!   weighting, `src[1]` the gate weights `g` `[1, k, T]` the model multiplies them by (after
+//!   normalisation and scaling, without any selection bias).
+//!
+//! Sums are f64, accumulated token by token in graph order, so a rerun gives identical bytes.
+//! A (token, layer) whose gate or norm is not finite is left out of every sum and counted.
+
+use crate::formats::saliency::LayerSums;
+use crate::llama::TensorInfo;
+
+/// Routing of one layer for the ubatch in flight, kept for the trace.
+#[derive(Clone, Debug, Default)]
+pub struct LayerRouting {
+    pub n_tokens: usize,
+    /// `[T][k]` selected ids, model order
+    pub sel_id: Vec<u16>,
+    /// `[T][k]` gate weights g
+    pub sel_weight: Vec<f32>,
+    /// `[T][n_expert]` router probabilities
+    pub probs: Vec<f32>,
+}
+
+/// MoE layers are discovered from the graph (the first `ffn_moe_probs-L` of each block), so any
+/// architecture that names its nodes as llama.cpp's `build_moe_ffn` does works unchanged.
+#[derive(Default)]
+pub struct ReapCollector {
+    /// block index → position in `layers` (in discovery order, which is block order)
+    slot_of_block: Vec<Option<usize>>,
+    pub layers: Vec<LayerSums>,
+    pub nonfinite_drops: u64,
+    /// tokens that reached the first MoE layer (dropped ones included)
+    pub tokens_seen: u64,
+    /// routing of the current ubatch, per MoE layer slot
+    pub routing: Vec<LayerRouting>,
+}
+
+/// The MoE layer index from a node name such as `ffn_moe_topk-12`.
+pub fn layer_of(name: &str, prefix: &str) -> Option<usize> {
+    name.strip_prefix(prefix)?.strip_prefix('-')?.parse().ok()
+}
+
+impl ReapCollector {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn slot(&self, block: usize) -> Option<usize> {
+        self.slot_of_block.get(block).copied().flatten()
+    }
+
+    /// The slot of `block`, created on first sight with its shape (`n_expert_used` 0: not
+    /// known yet; the topk node sets it).
+    pub fn slot_for(&mut self, block: usize, n_expert: usize, n_expert_used: usize) -> Result<usize, String> {
+        if let Some(s) = self.slot(block) {
+            let l = &self.layers[s];
+            if l.n_expert != n_expert || (n_expert_used != 0 && l.n_expert_used != n_expert_used) {
+                return Err(format!("layer {block} changed shape: {} experts top-{} became {n_expert} top-{n_expert_used}", l.n_expert, l.n_expert_used));
+            }
+            return Ok(s);
+        }
+        if n_expert > u16::MAX as usize + 1 {
+            return Err(format!("layer {block}: {n_expert} experts is more than the trace's 16-bit ids can hold"));
+        }
+        if let Some(&last) = self.layers.last().map(|l| &l.layer) {
+            if block as u32 <= last {
+                return Err(format!("MoE layer {block} was seen after layer {last}: graph order is not block order"));
+            }
+        }
+        if self.slot_of_block.len() <= block {
+            self.slot_of_block.resize(block + 1, None);
+        }
+        self.slot_of_block[block] = Some(self.layers.len());
+        self.layers.push(LayerSums::new(block as u32, n_expert, n_expert_used));
+        self.routing.push(LayerRouting::default());
+        Ok(self.layers.len() - 1)
+    }
+
+    /// `ffn_moe_probs-L`: `[n_expert, T]` f32.
+    pub fn on_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        let n_expert = self.layers[slot].n_expert;
+        if t.ne[0] as usize != n_expert || t.ty != crate::llama::sys::GGML_TYPE_F32 {
+            return Err(format!("{}: expected f32 [{n_expert}, T], got type {} {:?}", t.name, t.ty, t.ne));
+        }
+        let n_tokens = t.ne[1] as usize;
+        let r = &mut self.routing[slot];
+        r.n_tokens = n_tokens;
+        r.probs.clear();
+        for tok in 0..n_tokens {
+            for e in 0..n_expert {
+                r.probs.push(read_f32(data, t.offset([e as i64, tok as i64, 0, 0])));
+            }
+        }
+        Ok(())
+    }
+
+    /// `ffn_moe_topk-L`: `[k, T]` i32, read through its strides.
+    pub fn on_topk(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        if self.layers[slot].n_expert_used == 0 {
+            self.layers[slot].n_expert_used = t.ne[0] as usize;
+        }
+        let (n_expert, k) = (self.layers[slot].n_expert, self.layers[slot].n_expert_used);
+        if t.ne[0] as usize != k {
+            return Err(format!("{}: expected {k} selected experts per token, got {:?}", t.name, t.ne));
+        }
+        let r = &mut self.routing[slot];
+        r.sel_id.clear();
+        for tok in 0..t.ne[1] {
+            for s in 0..k as i64 {
+                let id = t.read_i32(data, s, tok);
+                if id < 0 || id as usize >= n_expert {
+                    return Err(format!("{}: expert id {id} out of range 0..{n_expert}", t.name));
+                }
+                r.sel_id.push(id as u16);
+            }
+        }
+        Ok(())
+    }
+
+    /// `ffn_moe_weighted-L`: `f` = src0 `[n_embd, k, T]`, `g` = src1 `[1, k, T]` (any strides).
+    pub fn on_weighted(&mut self, slot: usize, f: &TensorInfo, f_data: &[u8], g: &TensorInfo, g_data: &[u8]) -> Result<(), String> {
+        let k = self.layers[slot].n_expert_used;
+        let n_tokens = f.ne[2] as usize;
+        let r = &mut self.routing[slot];
+        if f.ne[1] as usize != k || g.ne[0] != 1 || g.ne[1] as usize != k || g.ne[2] as usize != n_tokens {
+            return Err(format!("ffn_moe_weighted: unexpected shapes f {:?}, g {:?} (k = {k})", f.ne, g.ne));
+        }
+        if r.sel_id.len() != n_tokens * k || r.probs.len() != n_tokens * self.layers[slot].n_expert {
+            return Err(format!(
+                "ffn_moe_weighted of layer {}: routing of this ubatch was not seen first (topk {} ids, probs {} for {n_tokens} tokens)",
+                self.layers[slot].layer,
+                r.sel_id.len(),
+                r.probs.len()
+            ));
+        }
+        let n_embd = f.ne[0] as usize;
+        r.sel_weight.clear();
+        let sums = &mut self.layers[slot];
+        let n_expert = sums.n_expert;
+        if slot == 0 {
+            self.tokens_seen += n_tokens as u64;
+        }
+        let mut norms = vec![0f64; k];
+        let mut gates = vec![0f64; k];
+        for tok in 0..n_tokens {
+            let mut finite = true;
+            for s in 0..k {
+                let gv = read_f32(g_data, g.offset([0, s as i64, tok as i64, 0]));
+                r.sel_weight.push(gv);
+                let off = f.offset([0, s as i64, tok as i64, 0]);
+                let ss: f64 = if f.nb[0] == 4 {
+                    f32s(f_data, off, n_embd).iter().map(|&x| x as f64 * x as f64).sum()
+                } else {
+                    (0..n_embd).map(|j| read_f32(f_data, off + j * f.nb[0]) as f64).map(|x| x * x).sum()
+                };
+                norms[s] = ss.sqrt();
+                gates[s] = gv as f64;
+                finite &= norms[s].is_finite() && gates[s].is_finite();
+            }
+            if !finite {
+                self.nonfinite_drops += 1;
+                continue;
+            }
+            sums.tokens += 1;
+            for s in 0..k {
+                let e = r.sel_id[tok * k + s] as usize;
+                let (gv, n) = (gates[s], norms[s]);
+                let reap = gv * n;
+                sums.count[e] += 1;
+                sums.prob_sum[e] += gv;
+                sums.reap_l2_sum[e] += reap;
+                sums.reap_l2_sq_sum[e] += reap * reap;
+                sums.ean_sum[e] += n;
+                sums.router_prob_sum[e] += r.probs[tok * n_expert + e] as f64;
+                if n > sums.max_l2[e] {
+                    sums.max_l2[e] = n;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn read_f32(data: &[u8], off: usize) -> f32 {
+    f32::from_ne_bytes(data[off..off + 4].try_into().unwrap())
+}
+
+fn f32s(data: &[u8], off: usize, n: usize) -> &[f32] {
+    crate::collect::imatrix::f32_row(data, off, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::llama::sys;
+
+    fn info<'a>(name: &'a str, ne: [i64; 4], nb: [usize; 4], ty: sys::ggml_type) -> TensorInfo<'a> {
+        TensorInfo { name, op: 0, ty, ne, nb }
+    }
+
+    fn bytes_f32(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+    }
+
+    /// Two tokens, four experts, top-2; ids read from a strided view whose rows are 4 wide.
+    #[test]
+    fn sums_match_a_hand_computation() {
+        let mut c = ReapCollector::new();
+        assert_eq!(c.slot_for(1, 4, 2), Ok(0));
+        assert_eq!(c.slot(1), Some(0));
+        let probs = [0.1f32, 0.2, 0.3, 0.4, 0.5, 0.25, 0.15, 0.1];
+        c.on_probs(0, &info("ffn_moe_probs-1", [4, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_F32), &bytes_f32(&probs)).unwrap();
+        // argsort storage [4, 2], topk view [2, 2] with nb1 = 16 bytes
+        let ids: Vec<u8> = [3i32, 2, 1, 0, 0, 1, 2, 3].iter().flat_map(|x| x.to_ne_bytes()).collect();
+        c.on_topk(0, &info("ffn_moe_topk-1", [2, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_I32), &ids).unwrap();
+        assert_eq!(c.routing[0].sel_id, [3, 2, 0, 1]);
+        // f: [n_embd 2, k 2, T 2]
+        let f = [3.0f32, 4.0, 0.0, 1.0, 6.0, 8.0, 1.0, 0.0];
+        let g = [0.6f32, 0.4, 0.7, 0.3];
+        let fi = info("f", [2, 2, 2, 1], [4, 8, 16, 32], sys::GGML_TYPE_F32);
+        let gi = info("g", [1, 2, 2, 1], [4, 4, 8, 16], sys::GGML_TYPE_F32);
+        c.on_weighted(0, &fi, &bytes_f32(&f), &gi, &bytes_f32(&g)).unwrap();
+        let l = &c.layers[0];
+        assert_eq!(l.count, [1, 1, 1, 1]);
+        assert_eq!(l.tokens, 2);
+        // token 0: expert 3 ‖(3,4)‖ = 5, g 0.6; expert 2 ‖(0,1)‖ = 1, g 0.4
+        // token 1: expert 0 ‖(6,8)‖ = 10, g 0.7; expert 1 ‖(1,0)‖ = 1, g 0.3
+        let g64 = |x: f32| x as f64;
+        assert_eq!(l.reap_l2_sum, [g64(0.7) * 10.0, g64(0.3), g64(0.4), g64(0.6) * 5.0]);
+        assert_eq!(l.ean_sum, [10.0, 1.0, 1.0, 5.0]);
+        assert_eq!(l.prob_sum, [g64(0.7), g64(0.3), g64(0.4), g64(0.6)]);
+        assert_eq!(l.router_prob_sum, [g64(0.5), g64(0.25), g64(0.3), g64(0.4)]);
+        assert_eq!(l.max_l2, [10.0, 1.0, 1.0, 5.0]);
+        assert_eq!(l.reap_l2_sq_sum[0], (g64(0.7) * 10.0).powi(2));
+    }
+
+    #[test]
+    fn a_non_finite_token_is_dropped_and_counted() {
+        let mut c = ReapCollector::new();
+        c.slot_for(0, 2, 1).unwrap();
+        c.on_probs(0, &info("p", [2, 2, 1, 1], [4, 8, 16, 16], sys::GGML_TYPE_F32), &bytes_f32(&[0.5, 0.5, 0.5, 0.5])).unwrap();
+        let ids: Vec<u8> = [0i32, 1].iter().flat_map(|x| x.to_ne_bytes()).collect();
+        c.on_topk(0, &info("t", [1, 2, 1, 1], [4, 4, 8, 8], sys::GGML_TYPE_I32), &ids).unwrap();
+        let f = [1.0f32, f32::NAN];
+        c.on_weighted(
+            0,
+            &info("f", [1, 1, 2, 1], [4, 4, 4, 8], sys::GGML_TYPE_F32),
+            &bytes_f32(&f),
+            &info("g", [1, 1, 2, 1], [4, 4, 4, 8], sys::GGML_TYPE_F32),
+            &bytes_f32(&[1.0, 1.0]),
+        )
+        .unwrap();
+        assert_eq!(c.nonfinite_drops, 1);
+        assert_eq!(c.layers[0].count, [1, 0]);
+        assert_eq!(c.layers[0].tokens, 1);
+        assert!(c.layers[0].reap_l2_sum.iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn out_of_range_ids_are_refused() {
+        let mut c = ReapCollector::new();
+        c.slot_for(0, 2, 1).unwrap();
+        let ids: Vec<u8> = [5i32].iter().flat_map(|x| x.to_ne_bytes()).collect();
+        let e = c.on_topk(0, &info("ffn_moe_topk-0", [1, 1, 1, 1], [4, 4, 4, 4], sys::GGML_TYPE_I32), &ids).unwrap_err();
+        assert!(e.contains("out of range"), "{e}");
+    }
+
+    #[test]
+    fn layers_are_discovered_in_block_order_with_a_fixed_shape() {
+        let mut c = ReapCollector::new();
+        assert_eq!(c.slot_for(2, 8, 2), Ok(0));
+        assert_eq!(c.slot_for(5, 8, 2), Ok(1));
+        assert_eq!(c.slot_for(2, 8, 2), Ok(0));
+        assert!(c.slot_for(2, 16, 2).unwrap_err().contains("changed shape"));
+        assert!(c.slot_for(3, 8, 2).unwrap_err().contains("graph order"));
+        assert_eq!(c.slot(4), None);
+    }
+
+    #[test]
+    fn layer_numbers_come_from_node_names() {
+        assert_eq!(layer_of("ffn_moe_topk-12", "ffn_moe_topk"), Some(12));
+        assert_eq!(layer_of("ffn_moe_topk_x-1", "ffn_moe_topk"), None);
+        assert_eq!(layer_of("ffn_moe_weighted-3", "ffn_moe_weighted"), Some(3));
+    }
+}
