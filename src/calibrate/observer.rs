@@ -94,6 +94,8 @@ impl CalibrationObserver {
             return;
         }
         let k = r.sums.layers[0].n_expert_used;
+        // --trace-top-n is at most n_expert
+        t.top_n = t.top_n.min(r.sums.layers[0].n_expert);
         let header = crate::formats::trace::TraceHeader {
             layers: r.sums.layers.iter().map(|l| l.layer).collect(),
             n_expert: r.sums.layers[0].n_expert as u32,
