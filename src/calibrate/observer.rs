@@ -47,6 +47,12 @@ pub struct CalibrationObserver {
 const PROBS: &str = "ffn_moe_probs";
 const TOPK: &str = "ffn_moe_topk";
 const WEIGHTED: &str = "ffn_moe_weighted";
+/// the experts' outputs, under whichever name the graph gave them last
+const EXPERT_OUT: [&str; 3] = ["ffn_moe_down", "ffn_moe_down_scaled", "ffn_moe_down_biased"];
+
+fn expert_out_layer(name: &str) -> Option<usize> {
+    EXPERT_OUT.iter().find_map(|p| layer_of(name, p))
+}
 /// The token-embedding lookup (`GET_ROWS` of `inp_tokens`) opens every ubatch's graph.
 fn is_ubatch_start(node: Node<'_>) -> bool {
     node.info().op == sys::GGML_OP_GET_ROWS && node.src(1).is_some_and(|s| s.name() == "inp_tokens")
@@ -131,6 +137,13 @@ impl CalibrationObserver {
                 None => Err(format!("{name} came before ffn_moe_probs-{block}")),
                 Some(s) => r.sums.on_topk(s, &t, data),
             }
+        } else if let Some(block) = expert_out_layer(name) {
+            let t = node.info();
+            let data = node.bytes(&mut self.scratch_a);
+            match r.sums.slot(block) {
+                None => Err(format!("{name}: routing of layer {block} was not seen first")),
+                Some(s) => r.sums.on_expert_out(s, &t, data),
+            }
         } else if let Some(block) = layer_of(name, WEIGHTED) {
             let (Some(f), Some(g)) = (node.src(0), node.src(1)) else { return self.fail(format!("{name}: no sources")) };
             if f.info().op == sys::GGML_OP_REPEAT {
@@ -144,9 +157,8 @@ impl CalibrationObserver {
             match r.sums.slot(block) {
                 None => Err(format!("{name}: routing of layer {block} was not seen first")),
                 Some(s) => {
-                    let fd = f.bytes(&mut self.scratch_a);
                     let gd = g.bytes(&mut self.scratch_b);
-                    r.sums.on_weighted(s, &f.info(), fd, &g.info(), gd)
+                    r.sums.on_weighted(s, f.name(), &g.info(), gd)
                 }
             }
         } else {
@@ -190,7 +202,11 @@ impl ReapState {
 
 fn is_reap_node(node: Node<'_>) -> bool {
     let name = node.name();
-    layer_of(name, PROBS).is_some() || layer_of(name, TOPK).is_some() || layer_of(name, WEIGHTED).is_some() || is_ubatch_start(node)
+    layer_of(name, PROBS).is_some()
+        || layer_of(name, TOPK).is_some()
+        || expert_out_layer(name).is_some()
+        || layer_of(name, WEIGHTED).is_some()
+        || is_ubatch_start(node)
 }
 
 impl GraphObserver for CalibrationObserver {
@@ -205,11 +221,27 @@ impl GraphObserver for CalibrationObserver {
 
     fn observe(&mut self, node: Node<'_>) -> bool {
         let op = node.info().op;
-        if op != sys::GGML_OP_MUL_MAT && op != sys::GGML_OP_MUL_MAT_ID {
+        if op == sys::GGML_OP_MUL_MAT || op == sys::GGML_OP_MUL_MAT_ID {
+            if !self.observe_imatrix(node) {
+                return false;
+            }
+        }
+        // ffn_moe_down is a MUL_MAT_ID: its input feeds the imatrix, its output REAP
+        if self.reap.is_some() && is_reap_node(node) {
             return self.observe_reap(node);
         }
+        true
+    }
+}
+
+impl CalibrationObserver {
+    fn observe_imatrix(&mut self, node: Node<'_>) -> bool {
+        let op = node.info().op;
         let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return true };
         let wname = imatrix::filter_tensor_name(src0.name()).to_string();
+        if !imatrix::wants(op, &wname, &src1.info(), self.imatrix.cfg.process_output) {
+            return true; // asked for REAP only
+        }
         let s1 = src1.info();
         if s1.nb[0] != 4 || s1.ty != sys::GGML_TYPE_F32 {
             return self.fail(format!("{wname}: input is not contiguous f32 (type {}, nb0 {})", s1.ty, s1.nb[0]));

@@ -1,10 +1,12 @@
-//! REAP saliency, per MoE layer and expert, from three graph nodes of each layer:
+//! REAP saliency, per MoE layer and expert, from four graph nodes of each layer:
 //! - `ffn_moe_probs-L`: the router probabilities `[n_expert, T]` (before top-k normalisation);
 //! - `ffn_moe_topk-L`: the selected expert ids, a strided view `[k, T]` of the argsort result
 //!   (never MUL_MAT_ID's `src[2]`, which an expert cache or remapping rewrites);
-//! - `ffn_moe_weighted-L`: `src[0]` is the experts' outputs `f` `[n_embd, k, T]` before
-//!   weighting, `src[1]` the gate weights `g` `[1, k, T]` the model multiplies them by (after
-//!   normalisation and scaling, without any selection bias).
+//! - `ffn_moe_down-L` (or its `_scaled`/`_biased` successor): the experts' outputs `f`
+//!   `[n_embd, k, T]` before weighting. Read in its own callback: by the time the weighting
+//!   node runs, ggml's allocator has usually computed the product in place over `f`;
+//! - `ffn_moe_weighted-L`: `src[1]` is the gate weights `g` `[1, k, T]` the model multiplies
+//!   `f` by (after normalisation and scaling, without any selection bias).
 //!
 //! Sums are f64, accumulated token by token in graph order, so a rerun gives identical bytes.
 //! A (token, layer) whose gate or norm is not finite is left out of every sum and counted.
@@ -22,6 +24,10 @@ pub struct LayerRouting {
     pub sel_weight: Vec<f32>,
     /// `[T][n_expert]` router probabilities
     pub probs: Vec<f32>,
+    /// `[T][k]` ‖f‖₂ of each selected expert's output
+    pub norms: Vec<f64>,
+    /// the node the norms were read from (must be the weighting node's `src[0]`)
+    pub norms_from: String,
 }
 
 /// MoE layers are discovered from the graph (the first `ffn_moe_probs-L` of each block), so any
@@ -120,13 +126,46 @@ impl ReapCollector {
         Ok(())
     }
 
-    /// `ffn_moe_weighted-L`: `f` = src0 `[n_embd, k, T]`, `g` = src1 `[1, k, T]` (any strides).
-    pub fn on_weighted(&mut self, slot: usize, f: &TensorInfo, f_data: &[u8], g: &TensorInfo, g_data: &[u8]) -> Result<(), String> {
+    /// `ffn_moe_down-L` and successors: `f` `[n_embd, k, T]` (any strides): ‖f‖₂ per slot.
+    pub fn on_expert_out(&mut self, slot: usize, f: &TensorInfo, f_data: &[u8]) -> Result<(), String> {
         let k = self.layers[slot].n_expert_used;
-        let n_tokens = f.ne[2] as usize;
+        if f.ne[1] as usize != k || f.ty != crate::llama::sys::GGML_TYPE_F32 {
+            return Err(format!("{}: expected f32 [n_embd, {k}, T], got type {} {:?}", f.name, f.ty, f.ne));
+        }
+        let (n_embd, n_tokens) = (f.ne[0] as usize, f.ne[2] as usize);
         let r = &mut self.routing[slot];
-        if f.ne[1] as usize != k || g.ne[0] != 1 || g.ne[1] as usize != k || g.ne[2] as usize != n_tokens {
-            return Err(format!("ffn_moe_weighted: unexpected shapes f {:?}, g {:?} (k = {k})", f.ne, g.ne));
+        r.norms.clear();
+        r.norms_from = f.name.to_string();
+        for tok in 0..n_tokens {
+            for s in 0..k {
+                let off = f.offset([0, s as i64, tok as i64, 0]);
+                // Σx² in f64, in element order: the same bytes on every run
+                let ss: f64 = if f.nb[0] == 4 {
+                    f32s(f_data, off, n_embd).iter().map(|&x| x as f64 * x as f64).sum()
+                } else {
+                    (0..n_embd).map(|j| read_f32(f_data, off + j * f.nb[0]) as f64).map(|x| x * x).sum()
+                };
+                r.norms.push(ss.sqrt());
+            }
+        }
+        Ok(())
+    }
+
+    /// `ffn_moe_weighted-L`: `g` = its src1 `[1, k, T]` (any strides); `f_name` its src0.
+    pub fn on_weighted(&mut self, slot: usize, f_name: &str, g: &TensorInfo, g_data: &[u8]) -> Result<(), String> {
+        let k = self.layers[slot].n_expert_used;
+        let n_tokens = g.ne[2] as usize;
+        let r = &mut self.routing[slot];
+        if g.ne[0] != 1 || g.ne[1] as usize != k {
+            return Err(format!("ffn_moe_weighted: unexpected gate shape {:?} (k = {k})", g.ne));
+        }
+        if r.norms_from != f_name || r.norms.len() != n_tokens * k {
+            return Err(format!(
+                "ffn_moe_weighted of layer {} weights {f_name}, but the expert outputs read were {} ({} norms for {n_tokens} tokens)",
+                self.layers[slot].layer,
+                r.norms_from,
+                r.norms.len()
+            ));
         }
         if r.sel_id.len() != n_tokens * k || r.probs.len() != n_tokens * self.layers[slot].n_expert {
             return Err(format!(
@@ -136,29 +175,20 @@ impl ReapCollector {
                 r.probs.len()
             ));
         }
-        let n_embd = f.ne[0] as usize;
         r.sel_weight.clear();
         let sums = &mut self.layers[slot];
         let n_expert = sums.n_expert;
         if slot == 0 {
             self.tokens_seen += n_tokens as u64;
         }
-        let mut norms = vec![0f64; k];
         let mut gates = vec![0f64; k];
         for tok in 0..n_tokens {
             let mut finite = true;
             for s in 0..k {
                 let gv = read_f32(g_data, g.offset([0, s as i64, tok as i64, 0]));
                 r.sel_weight.push(gv);
-                let off = f.offset([0, s as i64, tok as i64, 0]);
-                let ss: f64 = if f.nb[0] == 4 {
-                    f32s(f_data, off, n_embd).iter().map(|&x| x as f64 * x as f64).sum()
-                } else {
-                    (0..n_embd).map(|j| read_f32(f_data, off + j * f.nb[0]) as f64).map(|x| x * x).sum()
-                };
-                norms[s] = ss.sqrt();
                 gates[s] = gv as f64;
-                finite &= norms[s].is_finite() && gates[s].is_finite();
+                finite &= gates[s].is_finite() && r.norms[tok * k + s].is_finite();
             }
             if !finite {
                 self.nonfinite_drops += 1;
@@ -167,7 +197,7 @@ impl ReapCollector {
             sums.tokens += 1;
             for s in 0..k {
                 let e = r.sel_id[tok * k + s] as usize;
-                let (gv, n) = (gates[s], norms[s]);
+                let (gv, n) = (gates[s], r.norms[tok * k + s]);
                 let reap = gv * n;
                 sums.count[e] += 1;
                 sums.prob_sum[e] += gv;
@@ -222,7 +252,8 @@ mod tests {
         let g = [0.6f32, 0.4, 0.7, 0.3];
         let fi = info("f", [2, 2, 2, 1], [4, 8, 16, 32], sys::GGML_TYPE_F32);
         let gi = info("g", [1, 2, 2, 1], [4, 4, 8, 16], sys::GGML_TYPE_F32);
-        c.on_weighted(0, &fi, &bytes_f32(&f), &gi, &bytes_f32(&g)).unwrap();
+        c.on_expert_out(0, &fi, &bytes_f32(&f)).unwrap();
+        c.on_weighted(0, "f", &gi, &bytes_f32(&g)).unwrap();
         let l = &c.layers[0];
         assert_eq!(l.count, [1, 1, 1, 1]);
         assert_eq!(l.tokens, 2);
@@ -245,14 +276,8 @@ mod tests {
         let ids: Vec<u8> = [0i32, 1].iter().flat_map(|x| x.to_ne_bytes()).collect();
         c.on_topk(0, &info("t", [1, 2, 1, 1], [4, 4, 8, 8], sys::GGML_TYPE_I32), &ids).unwrap();
         let f = [1.0f32, f32::NAN];
-        c.on_weighted(
-            0,
-            &info("f", [1, 1, 2, 1], [4, 4, 4, 8], sys::GGML_TYPE_F32),
-            &bytes_f32(&f),
-            &info("g", [1, 1, 2, 1], [4, 4, 4, 8], sys::GGML_TYPE_F32),
-            &bytes_f32(&[1.0, 1.0]),
-        )
-        .unwrap();
+        c.on_expert_out(0, &info("f", [1, 1, 2, 1], [4, 4, 4, 8], sys::GGML_TYPE_F32), &bytes_f32(&f)).unwrap();
+        c.on_weighted(0, "f", &info("g", [1, 1, 2, 1], [4, 4, 4, 8], sys::GGML_TYPE_F32), &bytes_f32(&[1.0, 1.0])).unwrap();
         assert_eq!(c.nonfinite_drops, 1);
         assert_eq!(c.layers[0].count, [1, 0]);
         assert_eq!(c.layers[0].tokens, 1);

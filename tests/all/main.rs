@@ -3,5 +3,6 @@
 mod build_steps;
 mod drop_in;
 mod fixture;
+mod reap;
 mod trampoline;
 mod util;

@@ -1,0 +1,264 @@
+//! REAP saliency and routing traces on the generated fixtures: invariants, an independent
+//! recomputation of the sums from the GGUF weights, trace round trip, a killed run, and
+//! trace-on/off parity.
+
+use super::util::*;
+use reap_imatrix::formats::saliency::Saliency;
+use reap_imatrix::formats::trace::TraceReader;
+use reap_imatrix::llama::{sys, Context, ContextParams, GraphObserver, Model, ModelParams, Node};
+use std::path::Path;
+use std::process::Command;
+
+fn calibrate(dir: &Path, model: &Path, extra: &[&str]) -> std::process::Output {
+    run_ok(Command::new(ours()).current_dir(dir).arg("-m").arg(model).arg("-f").arg(corpus()).args(["-t", "2", "--no-ppl", "-o", "i.gguf"]).args(extra))
+}
+
+fn check(dir: &Path, args: &[&str]) -> std::process::Output {
+    run(Command::new(ours()).current_dir(dir).arg("check").args(args))
+}
+
+#[test]
+fn check_passes_on_both_archs_with_imatrix_and_trace() {
+    for arch in ["qwen3moe", "qwen2moe"] {
+        let d = temp_dir(&format!("reap-check-{arch}"));
+        calibrate(&d, &fixture(arch), &["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"]);
+        let out = check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{arch}:\n{text}");
+        assert!(text.contains("counts recomputed from the trace equal the JSON's"), "{text}");
+        assert!(text.contains("count equals the imatrix counts"), "{text}");
+        let s = Saliency::read(&d.join("i.reap.json")).unwrap();
+        assert_eq!(s.tokens, 6 * 256);
+        assert_eq!(s.trace_tokens_written, 6 * 256);
+        // the fixture's dead experts are dead here too, and only they
+        let dead: usize = s.layers.iter().map(|l| l.count.iter().filter(|&&c| c == 0).count()).sum();
+        assert_eq!(dead, 4 * s.layers.len(), "{arch}: each layer has exactly the fixture's 4 dead experts");
+        if arch == "qwen3moe" {
+            assert!(text.contains("normalised gating"), "{text}");
+        } else {
+            assert!(!text.contains("(normalised gating)"), "qwen2moe does not normalise its top-k weights:\n{text}");
+        }
+    }
+}
+
+#[test]
+fn check_fails_on_a_tampered_json() {
+    let d = temp_dir("reap-tampered");
+    calibrate(&d, &fixture("qwen3moe"), &["-c", "256", "-b", "256", "--chunks", "2"]);
+    let mut v: serde_json::Value = serde_json::from_slice(&read(&d.join("i.reap.json"))).unwrap();
+    let c = v["layers"][1]["count"][0].as_u64().unwrap();
+    v["layers"][1]["count"][0] = (c + 1).into();
+    std::fs::write(d.join("bad.json"), serde_json::to_vec(&v).unwrap()).unwrap();
+    let out = check(&d, &["--reap", "bad.json", "--imatrix", "i.gguf"]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("[FAIL] layer 1: Σcount"), "{text}");
+    assert!(text.contains("[FAIL] layer 1: count equals the imatrix counts"), "{text}");
+    // unreadable input: exit 2, naming the file
+    std::fs::write(d.join("junk.json"), "{").unwrap();
+    let out = check(&d, &["--reap", "junk.json"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("junk.json"));
+}
+
+#[test]
+fn trace_on_or_off_leaves_the_imatrix_and_sums_unchanged() {
+    let model = fixture("qwen2moe");
+    let (a, b) = (temp_dir("reap-trace-off"), temp_dir("reap-trace-on"));
+    calibrate(&a, &model, &["-c", "256", "-b", "256", "--chunks", "4"]);
+    calibrate(&b, &model, &["-c", "256", "-b", "256", "--chunks", "4", "--trace-out", "t.bin", "--trace-tokens", "300"]);
+    assert_same_bytes(&a.join("i.gguf"), &b.join("i.gguf"));
+    let (mut x, mut y): (serde_json::Value, serde_json::Value) =
+        (serde_json::from_slice(&read(&a.join("i.reap.json"))).unwrap(), serde_json::from_slice(&read(&b.join("i.reap.json"))).unwrap());
+    assert_eq!(y["trace_tokens_written"], 300);
+    // the only differences: how many rows were traced, and the flag that asked for it
+    for v in [&mut x, &mut y] {
+        v["trace_tokens_written"] = 0.into();
+        v["metadata"]["run"]["trace_tokens"] = serde_json::Value::Null;
+    }
+    assert_eq!(x, y);
+    assert_eq!(TraceReader::open(&b.join("t.bin")).unwrap().n_rows, 300);
+}
+
+#[test]
+fn a_killed_run_leaves_a_trace_readable_up_to_its_header_count() {
+    let d = temp_dir("reap-killed");
+    let mut child = Command::new(ours())
+        .current_dir(&d)
+        .arg("-m")
+        .arg(fixture("qwen3moe"))
+        .arg("-f")
+        .arg(corpus())
+        .args(["-t", "1", "-c", "128", "-b", "128", "--no-ppl", "-o", "i.gguf", "--trace-out", "t.bin"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let trace = d.join("t.bin");
+    let started = std::time::Instant::now();
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let rows = TraceReader::open(&trace).map(|t| t.n_rows).unwrap_or(0);
+        if rows >= 256 {
+            break;
+        }
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before it could be killed");
+        assert!(started.elapsed().as_secs() < 120, "no trace rows after 2 minutes");
+    }
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    child.wait().unwrap();
+    let t = TraceReader::open(&trace).unwrap();
+    assert!(t.n_rows >= 256 && !t.header_count_missing);
+    for (i, r) in t.rows().enumerate() {
+        assert_eq!(r.pos() as usize, i % 128, "row {i}");
+        assert_eq!(r.chunk() as usize, i / 128, "row {i}");
+        for li in 0..t.header.n_layers() {
+            assert!(r.sel_ids(li).iter().all(|&e| (e as u32) < t.header.n_expert));
+        }
+    }
+    // the checkpoint JSON and imatrix beside it are whole files
+    if d.join("i.reap.json").exists() {
+        Saliency::read(&d.join("i.reap.json")).unwrap();
+    }
+}
+
+/// Captures, for one block, the MoE FFN's input (the router's input) of every token.
+struct CaptureFfnInput {
+    router: String,
+    x: Vec<f32>,
+    n_embd: usize,
+}
+
+impl GraphObserver for CaptureFfnInput {
+    fn wants(&mut self, node: Node<'_>) -> bool {
+        node.src(0).is_some_and(|s| s.name() == self.router)
+    }
+    fn observe(&mut self, node: Node<'_>) -> bool {
+        let src1 = node.src(1).unwrap();
+        let t = src1.info();
+        let mut scratch = Vec::new();
+        let data = src1.bytes(&mut scratch);
+        self.n_embd = t.ne[0] as usize;
+        for tok in 0..t.ne[1] {
+            for j in 0..t.ne[0] {
+                let o = t.offset([j, tok, 0, 0]);
+                self.x.push(f32::from_ne_bytes(data[o..o + 4].try_into().unwrap()));
+            }
+        }
+        true
+    }
+}
+
+/// An f32 tensor of a GGUF file, read through the gguf C API.
+fn gguf_f32(path: &Path, name: &str) -> (Vec<f32>, [i64; 4]) {
+    let fname = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    let tname = std::ffi::CString::new(name).unwrap();
+    unsafe {
+        let mut ctx: *mut sys::ggml_context = std::ptr::null_mut();
+        let g = sys::gguf_init_from_file(fname.as_ptr(), sys::gguf_init_params { no_alloc: false, ctx: &mut ctx });
+        assert!(!g.is_null());
+        let t = sys::ggml_get_tensor(ctx, tname.as_ptr());
+        assert!(!t.is_null(), "{name} missing");
+        assert_eq!((*t).type_, sys::GGML_TYPE_F32, "{name} is not f32");
+        let n = sys::ggml_nelements(t) as usize;
+        let v = std::slice::from_raw_parts((*t).data as *const f32, n).to_vec();
+        let ne = (*t).ne;
+        sys::gguf_free(g);
+        sys::ggml_free(ctx);
+        (v, ne)
+    }
+}
+
+/// Row `r` of matrix `e` of a `[cols, rows, n_mat]` tensor, times x, in f64.
+fn dot_row(w: &[f32], cols: usize, rows: usize, e: usize, r: usize, x: &[f64]) -> f64 {
+    let row = &w[(e * rows + r) * cols..(e * rows + r + 1) * cols];
+    row.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum()
+}
+
+#[test]
+fn saliency_sums_equal_an_independent_computation_from_the_weights() {
+    // f32 weights, so the GGUF holds exactly what the graph multiplies by
+    let d = temp_dir("reap-independent");
+    let model_path = d.join("m.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path));
+    let n_ctx = 64usize;
+    calibrate(&d, &model_path, &["-c", &n_ctx.to_string(), "-b", "64", "--chunks", "1", "--trace-out", "t.bin"]);
+    let s = Saliency::read(&d.join("i.reap.json")).unwrap();
+    let trace = TraceReader::open(&d.join("t.bin")).unwrap();
+    let block = 1usize;
+    let li = s.layers.iter().position(|l| l.layer as usize == block).unwrap();
+    let lay = &s.layers[li];
+    let (n_expert, k) = (lay.n_expert, lay.n_expert_used);
+
+    // the same tokens through the same graph, capturing the router input of `block`
+    let model = Model::load(&model_path, &ModelParams::default()).unwrap();
+    let mut text = std::fs::read(corpus()).unwrap();
+    text.pop();
+    let tokens = model.vocab().tokenize(&text, true, false).unwrap();
+    let obs = CaptureFfnInput { router: format!("blk.{block}.ffn_gate_inp.weight"), x: Vec::new(), n_embd: 0 };
+    let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_ctx as u32, n_ubatch: 512, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1 };
+    let mut ctx = Context::new(&model, &p, obs).unwrap();
+    let mut batch = ctx.batch();
+    for (i, &t) in tokens[..n_ctx].iter().enumerate() {
+        batch.add(t, i as i32, 0, true);
+    }
+    ctx.decode(&mut batch).unwrap();
+    let cap = ctx.into_observer();
+    let n_embd = cap.n_embd;
+    assert_eq!(cap.x.len(), n_ctx * n_embd);
+
+    let (router, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_inp.weight"));
+    let (gate, gne) = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_exps.weight"));
+    let (up, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight"));
+    let (down, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_down_exps.weight"));
+    let n_ff = gne[1] as usize;
+
+    let mut count = vec![0u64; n_expert];
+    let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
+    for t in 0..n_ctx {
+        let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
+        // softmax router, top-k, renormalised (qwen3moe)
+        let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+        let probs: Vec<f64> = logits.iter().map(|l| (l - m).exp() / z).collect();
+        let mut order: Vec<usize> = (0..n_expert).collect();
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let sel = &order[..k];
+        // the graph's own choice agrees (read from the trace)
+        let mut from_trace: Vec<usize> = trace.row(t as u64).sel_ids(li).iter().map(|&e| e as usize).collect();
+        let mut mine = sel.to_vec();
+        from_trace.sort();
+        mine.sort();
+        assert_eq!(mine, from_trace, "token {t}: top-{k} differs");
+        let wsum: f64 = sel.iter().map(|&e| probs[e]).sum();
+        for &e in sel {
+            let g = probs[e] / wsum;
+            let h: Vec<f64> = (0..n_ff)
+                .map(|i| {
+                    let a = dot_row(&gate, n_embd, n_ff, e, i, &x);
+                    let b = dot_row(&up, n_embd, n_ff, e, i, &x);
+                    a / (1.0 + (-a).exp()) * b
+                })
+                .collect();
+            let f2: f64 = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h).powi(2)).sum();
+            let norm = f2.sqrt();
+            count[e] += 1;
+            reap[e] += g * norm;
+            ean[e] += norm;
+            prob[e] += g;
+        }
+    }
+    assert_eq!(count, lay.count);
+    let rel = |a: f64, b: f64| (a - b).abs() / a.abs().max(b.abs()).max(1e-30);
+    for e in 0..n_expert {
+        if count[e] == 0 {
+            assert_eq!(lay.reap_l2_sum[e], 0.0);
+            continue;
+        }
+        assert!(rel(reap[e], lay.reap_l2_sum[e]) < 1e-5, "expert {e}: reap_l2_sum {} vs independent {}", lay.reap_l2_sum[e], reap[e]);
+        assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
+        assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
+    }
+}
