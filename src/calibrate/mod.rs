@@ -408,13 +408,25 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             if let Some(r) = ctx.observer_mut().reap.as_mut() {
                 r.batch = batch_rows(i, j * n_batch, batch_size, n_seq_batch, plan.args.ubatch_size.min(plan.n_batch) as usize, &fed);
             }
-            let r = ctx.decode(&mut batch);
+            // Without perplexity or --process-output nobody reads the logits. When this decode
+            // is one ubatch and the last of its chunk (the KV cache is cleared next, so the
+            // positions llama.cpp drops on a stopped graph are never read), stop the graph after
+            // the final norm and skip the output projection. Every collected tensor comes
+            // before it, so the files are unchanged.
+            let one_ubatch = n_seq_batch * batch_size <= (plan.args.ubatch_size as usize).min(n_batch);
+            let stop = !compute_ppl && !plan.args.process_output && one_ubatch && j + 1 == num_batches;
+            ctx.observer_mut().stop_before_logits = stop;
+            ctx.observer_mut().stopped_before_logits = false;
+            let r = ctx.decode_or_stop(&mut batch);
             ctx.observer_mut().finish_ubatch();
             outputs.flush(ctx);
             if let Some(f) = ctx.observer_mut().failure.take() {
                 bail!("{f}");
             }
-            r.context("failed to eval")?;
+            let completed = r.context("failed to eval")?;
+            if !completed && !ctx.observer().stopped_before_logits {
+                bail!("failed to eval: the graph was stopped");
+            }
             if compute_ppl && num_batches > 1 {
                 logits.extend_from_slice(ctx.logits(batch_size));
             }

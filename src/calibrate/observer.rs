@@ -40,6 +40,10 @@ pub struct CalibrationObserver {
     /// the first failure; the graph is stopped when it is set
     pub failure: Option<String>,
     pub checkpoints: Vec<Checkpoint>,
+    /// stop the graph after the final norm: the output projection's result is not needed
+    pub stop_before_logits: bool,
+    /// set when the graph was stopped that way
+    pub stopped_before_logits: bool,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -47,6 +51,8 @@ pub struct CalibrationObserver {
 const PROBS: &str = "ffn_moe_probs";
 const TOPK: &str = "ffn_moe_topk";
 const WEIGHTED: &str = "ffn_moe_weighted";
+/// the final norm: after it only the output projection (the logits) remains
+const RESULT_NORM: &str = "result_norm";
 /// the experts' outputs, under whichever name the graph gave them last
 const EXPERT_OUT: [&str; 3] = ["ffn_moe_down", "ffn_moe_down_scaled", "ffn_moe_down_biased"];
 
@@ -60,7 +66,17 @@ fn is_ubatch_start(node: Node<'_>) -> bool {
 
 impl CalibrationObserver {
     pub fn new(imatrix: ImatrixCollector, reap: Option<ReapState>) -> Self {
-        CalibrationObserver { imatrix, reap, chunk: 0, failure: None, checkpoints: Vec::new(), scratch_a: Vec::new(), scratch_b: Vec::new() }
+        CalibrationObserver {
+            imatrix,
+            reap,
+            chunk: 0,
+            failure: None,
+            checkpoints: Vec::new(),
+            stop_before_logits: false,
+            stopped_before_logits: false,
+            scratch_a: Vec::new(),
+            scratch_b: Vec::new(),
+        }
     }
 
     /// A snapshot of the REAP sums in file form.
@@ -211,6 +227,9 @@ fn is_reap_node(node: Node<'_>) -> bool {
 
 impl GraphObserver for CalibrationObserver {
     fn wants(&mut self, node: Node<'_>) -> bool {
+        if self.stop_before_logits && node.name() == RESULT_NORM {
+            return true;
+        }
         if self.reap.is_some() && is_reap_node(node) {
             return true;
         }
@@ -220,6 +239,10 @@ impl GraphObserver for CalibrationObserver {
     }
 
     fn observe(&mut self, node: Node<'_>) -> bool {
+        if self.stop_before_logits && node.name() == RESULT_NORM {
+            self.stopped_before_logits = true;
+            return false;
+        }
         let op = node.info().op;
         if op == sys::GGML_OP_MUL_MAT || op == sys::GGML_OP_MUL_MAT_ID {
             if !self.observe_imatrix(node) {

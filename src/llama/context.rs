@@ -62,15 +62,25 @@ impl<'m, O: GraphObserver> Context<'m, O> {
     /// Runs the batch through the graph; the observer sees every node it asks for. A panic in
     /// the observer stops the graph and is re-raised here.
     pub fn decode(&mut self, batch: &mut Batch) -> Result<()> {
+        if !self.decode_or_stop(batch)? {
+            bail!("llama_process: the graph was stopped by the eval callback");
+        }
+        Ok(())
+    }
+
+    /// As `decode`, but a graph the observer stopped (by returning false) is not an error:
+    /// returns Ok(false). llama.cpp then drops that ubatch's positions from the KV cache.
+    pub fn decode_or_stop(&mut self, batch: &mut Batch) -> Result<bool> {
         // SAFETY: live context and batch; the observer is reached only through the callback.
         let rc = unsafe { sys::llama_process(self.raw, sys::LLAMA_PROCESS_TYPE_DECODE, batch.as_ptr()) };
         if let Some(p) = self.state_mut().panic.take() {
             std::panic::resume_unwind(p);
         }
-        if rc != 0 {
-            bail!("llama_process failed with code {rc}: {}", log::take_recent_errors().join("; "));
+        match rc {
+            0 => Ok(true),
+            2 => Ok(false),
+            _ => bail!("llama_process failed with code {rc}: {}", log::take_recent_errors().join("; ")),
         }
-        Ok(())
     }
 
     pub fn observer(&self) -> &O {

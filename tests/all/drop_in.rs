@@ -104,6 +104,15 @@ fn batch_smaller_than_context() {
 }
 
 #[test]
+fn no_ppl_with_two_batches_per_chunk() {
+    // the graph of a chunk's last batch stops before the logits; the first must not
+    let p = run_both("q3-noppl-b256", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "512", "-b", "256", "--no-ppl"]));
+    p.assert_same_file("imatrix.gguf");
+    let p = run_both("q2-noppl-2seq", &fixture("qwen2moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "512", "--no-ppl"]));
+    p.assert_same_file("imatrix.gguf");
+}
+
+#[test]
 fn process_output() {
     let p = run_both("q2-out", &fixture("qwen2moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "256", "--process-output"]));
     p.assert_same_file("imatrix.gguf");
