@@ -203,6 +203,11 @@ pub fn run(args: ImatrixArgs) -> Result<()> {
         }
     }
     out.writer.finish()?;
+    eprintln!(
+        "collection: {:.3} s inside the eval callback over {} chunks",
+        ctx.observer().busy.as_secs_f64(),
+        out.chunks_done
+    );
     eprintln!("imatrix written to {}", plan.args.output_file.display());
     if let (Some(p), Some(s)) = (&plan.reap_out, ctx.observer().saliency().filter(|s| !s.layers.is_empty())) {
         eprintln!("REAP saliency written to {} ({} MoE layers, {} tokens)", p.display(), s.layers.len(), s.tokens);

@@ -44,6 +44,8 @@ pub struct CalibrationObserver {
     pub stop_before_logits: bool,
     /// set when the graph was stopped that way
     pub stopped_before_logits: bool,
+    /// time spent inside `observe` (the graph waits for it)
+    pub busy: std::time::Duration,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -74,6 +76,7 @@ impl CalibrationObserver {
             checkpoints: Vec::new(),
             stop_before_logits: false,
             stopped_before_logits: false,
+            busy: std::time::Duration::ZERO,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -239,6 +242,15 @@ impl GraphObserver for CalibrationObserver {
     }
 
     fn observe(&mut self, node: Node<'_>) -> bool {
+        let t0 = std::time::Instant::now();
+        let r = self.observe_timed(node);
+        self.busy += t0.elapsed();
+        r
+    }
+}
+
+impl CalibrationObserver {
+    fn observe_timed(&mut self, node: Node<'_>) -> bool {
         if self.stop_before_logits && node.name() == RESULT_NORM {
             self.stopped_before_logits = true;
             return false;
