@@ -28,6 +28,8 @@ pub struct ReapState {
     pub batch: BatchRows,
     /// the node the gate weights come from (`ffn_moe_weights_norm-0`, …), for the metadata
     pub weights_node: Option<String>,
+    /// the op that turns router logits into probabilities (SOFT_MAX, UNARY for sigmoid, …)
+    pub gating_op: Option<String>,
     /// rows handed to the trace writer so far
     pub rows_handed: u64,
 }
@@ -147,6 +149,11 @@ impl CalibrationObserver {
             check_ubatch_tokens(&r.batch, next, node, &mut self.scratch_a)
         } else if let Some(block) = layer_of(name, PROBS) {
             let t = node.info();
+            if r.gating_op.is_none() {
+                // SAFETY: ggml_op_name returns a static string for any op value.
+                let op = unsafe { std::ffi::CStr::from_ptr(sys::ggml_op_name(t.op)) };
+                r.gating_op = Some(op.to_string_lossy().into_owned());
+            }
             let data = node.bytes(&mut self.scratch_a);
             r.sums.slot_for(block, t.ne[0] as usize, 0).and_then(|s| r.sums.on_probs(s, &t, data))
         } else if let Some(block) = layer_of(name, TOPK) {
@@ -215,7 +222,7 @@ fn check_ubatch_tokens(batch: &BatchRows, u: usize, node: Node<'_>, scratch: &mu
 
 impl ReapState {
     pub fn new(trace: Option<TraceRows>) -> Self {
-        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, rows_handed: 0 }
+        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, gating_op: None, rows_handed: 0 }
     }
 }
 

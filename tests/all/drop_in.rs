@@ -291,3 +291,17 @@ fn show_statistics_prints_upstreams_tables() {
     assert!(upstream.len() > 10, "upstream printed no table: {}", String::from_utf8_lossy(&up.stderr));
     assert_eq!(from_table(&o.stdout), upstream);
 }
+
+#[test]
+fn llama_cpp_logs_are_quiet_by_default_and_shown_with_v() {
+    let model = fixture("qwen3moe");
+    let d = temp_dir("logs");
+    let go = |extra: &[&str]| {
+        let o = run_ok(Command::new(ours()).current_dir(&d).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "2", "--no-ppl", "--no-reap"]).args(extra));
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let quiet = go(&[]);
+    let loud = go(&["-v"]);
+    assert!(!quiet.contains("llama_model_loader"), "{quiet}");
+    assert!(loud.contains("llama_model_loader"), "{loud}");
+}
