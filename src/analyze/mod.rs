@@ -2,4 +2,5 @@
 
 pub mod check;
 pub mod replay;
+pub mod reproduce;
 pub mod select;

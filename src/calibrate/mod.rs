@@ -122,8 +122,9 @@ impl Plan {
     }
 }
 
-/// The drop-in mode: `reap-imatrix -m MODEL -f TEXT [...]`.
-pub fn run(args: ImatrixArgs) -> Result<()> {
+/// The drop-in mode: `reap-imatrix -m MODEL -f TEXT [...]`. `argv` (after the program name,
+/// as given) goes into the run manifest.
+pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     llama::log::set_verbosity(if args.verbose { 2 } else { args.verbosity.unwrap_or(0) });
     if args.show_statistics {
         return crate::formats::imatrix_stats::show(&args);
@@ -144,7 +145,8 @@ pub fn run(args: ImatrixArgs) -> Result<()> {
         eprintln!("saving {} to '{}'", if plan.in_files.len() > 1 { "combined imatrix" } else { "imatrix" }, plan.args.output_file.display());
         let w = Writer::spawn();
         w.send(plan.job(SaveRequest { at: None, state: collector.state }));
-        return w.finish();
+        w.finish()?;
+        return write_manifest(&plan, argv, &model_path, &[]);
     };
     let text = read_text(&text_path)?;
     let model_size = std::fs::metadata(&model_path).map(|m| m.len()).unwrap_or(0);
@@ -175,6 +177,7 @@ pub fn run(args: ImatrixArgs) -> Result<()> {
             "parse_special": plan.args.parse_special,
         }),
         chunks_done: 0,
+        at_files: Vec::new(),
     };
     let outcome = compute(&plan, &mut ctx, &text, &mut out);
     // queued checkpoints are consistent states: they go to disk whatever happened
@@ -203,6 +206,15 @@ pub fn run(args: ImatrixArgs) -> Result<()> {
         }
     }
     out.writer.finish()?;
+    let mut extra = Vec::new();
+    if let Some(p) = plan.reap_out.as_ref().filter(|p| p.is_file()) {
+        extra.push(("reap", p.clone()));
+    }
+    if let Some(p) = &plan.args.trace_out {
+        extra.push(("trace", p.clone()));
+    }
+    extra.extend(out.at_files.iter().map(|p| ("imatrix_at", p.clone())));
+    write_manifest(&plan, argv, &model_path, &extra)?;
     eprintln!(
         "collection: {:.3} s inside the eval callback over {} chunks",
         ctx.observer().busy.as_secs_f64(),
@@ -226,6 +238,8 @@ struct Outputs<'p> {
     model_block: Value,
     corpus_block: Value,
     chunks_done: usize,
+    /// `.at_N` copies sent to the writer
+    at_files: Vec<PathBuf>,
 }
 
 impl Outputs<'_> {
@@ -257,7 +271,13 @@ impl Outputs<'_> {
     fn flush(&mut self, ctx: &mut Context<'_, CalibrationObserver>) {
         let checkpoints: Vec<Checkpoint> = ctx.observer_mut().checkpoints.drain(..).collect();
         for c in checkpoints {
-            self.writer.send(self.plan.job(c.imatrix));
+            let job = self.plan.job(c.imatrix);
+            if let (Job::Imatrix { path, .. }, true) = (&job, c.reap.is_none()) {
+                if !self.at_files.contains(path) && path != &self.plan.args.output_file {
+                    self.at_files.push(path.clone());
+                }
+            }
+            self.writer.send(job);
             if let (Some(path), Some(s)) = (&self.plan.reap_out, c.reap) {
                 if !s.layers.is_empty() {
                     let s = self.with_metadata(ctx, s);
@@ -502,4 +522,32 @@ fn batch_rows(chunk0: usize, pos0: usize, len: usize, n_seq: usize, n_ubatch: us
         })
         .collect();
     observer::BatchRows { ubatches, current: None }
+}
+
+/// Records what was run, on what, and what came out (see formats::manifest).
+fn write_manifest(plan: &Plan, argv: &[String], model: &Path, outputs: &[(&str, PathBuf)]) -> Result<()> {
+    use crate::formats::manifest::{FileRecord, Manifest};
+    let cwd = std::env::current_dir().context("reading the working folder")?;
+    let mut inputs = vec![FileRecord::of("model", model, &cwd)?];
+    if let Some(f) = &plan.args.file {
+        inputs.push(FileRecord::of("corpus", f, &cwd)?);
+    }
+    for f in &plan.in_files {
+        inputs.push(FileRecord::of("in_file", f, &cwd)?);
+    }
+    let mut outs = vec![FileRecord::of("imatrix", &plan.args.output_file, &cwd)?];
+    for (role, p) in outputs {
+        outs.push(FileRecord::of(role, p, &cwd)?);
+    }
+    let m = Manifest {
+        tool_version: env!("CARGO_PKG_VERSION").into(),
+        llama_cpp_commit: llama::PIN_COMMIT.into(),
+        patches_sha256: llama::PATCHES_SHA256.into(),
+        cwd,
+        argv: argv.to_vec(),
+        inputs,
+        outputs: outs,
+    };
+    let path = plan.args.manifest_out.clone().unwrap_or_else(|| beside_output(&plan.args.output_file, ".manifest.json"));
+    m.write(&path)
 }

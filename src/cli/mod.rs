@@ -53,7 +53,7 @@ struct DropIn {
     args: imatrix_args::ImatrixArgs,
 }
 
-const SUBCOMMANDS: &[&str] = &["fixture", "check", "select", "replay"];
+const SUBCOMMANDS: &[&str] = &["fixture", "check", "select", "replay", "reproduce"];
 
 #[derive(Subcommand, Debug)]
 enum Command {
@@ -65,6 +65,8 @@ enum Command {
     Select(crate::analyze::select::SelectArgs),
     /// Expert-cache simulation over a routing trace.
     Replay(crate::analyze::replay::ReplayArgs),
+    /// Re-run a recorded run (its manifest) and report whether every output is byte-identical.
+    Reproduce(crate::analyze::reproduce::ReproduceArgs),
 }
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
@@ -85,10 +87,12 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Check(args) => crate::analyze::check::run(&args),
         Command::Select(args) => crate::analyze::select::run(&args),
         Command::Replay(args) => crate::analyze::replay::run(&args),
+        Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
     }
 }
 
 fn drop_in(argv: Vec<OsString>) -> Result<i32> {
+    let given: Vec<String> = argv.iter().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
     let (argv, unsupported) = argv::normalize(argv);
     if let Some(flag) = unsupported {
         anyhow::bail!(UsageError(format!("{flag}: accepted by llama-imatrix but not supported by reap-imatrix")));
@@ -101,6 +105,6 @@ fn drop_in(argv: Vec<OsString>) -> Result<i32> {
             return Ok(code);
         }
     };
-    crate::calibrate::run(parsed.args)?;
+    crate::calibrate::run(parsed.args, &given)?;
     Ok(0)
 }

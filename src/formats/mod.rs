@@ -3,5 +3,6 @@
 pub mod atomic;
 pub mod imatrix;
 pub mod imatrix_stats;
+pub mod manifest;
 pub mod saliency;
 pub mod trace;

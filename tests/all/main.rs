@@ -3,6 +3,7 @@
 mod build_steps;
 mod drop_in;
 mod fixture;
+mod manifest;
 mod reap;
 mod trampoline;
 mod util;

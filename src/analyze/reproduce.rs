@@ -1,0 +1,171 @@
+//! `reap-imatrix reproduce MANIFEST`: runs a recorded run again, in the recorded working
+//! folder but with every output sent to a scratch folder, and reports whether each output is
+//! byte-identical to the recorded one. Exit 0 only when all are.
+
+use crate::cli::UsageError;
+use crate::formats::manifest::{FileRecord, Manifest};
+use anyhow::{bail, Context as _, Result};
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args, Debug)]
+pub struct ReproduceArgs {
+    /// the run manifest (`<stem>.manifest.json`)
+    #[arg(value_name = "MANIFEST")]
+    pub manifest: PathBuf,
+    /// where the re-run writes its outputs (default: a fresh folder under the system temp dir)
+    #[arg(long = "work-dir", value_name = "DIR")]
+    pub work_dir: Option<PathBuf>,
+    /// keep the re-run's outputs
+    #[arg(long = "keep")]
+    pub keep: bool,
+}
+
+/// Flags whose value names an output file, in every spelling the drop-in parser takes.
+const OUTPUT_FLAGS: &[(&str, &str)] = &[
+    ("-o", "imatrix"),
+    ("--output-file", "imatrix"),
+    ("--output", "imatrix"),
+    ("--reap-out", "reap"),
+    ("--trace-out", "trace"),
+    ("--manifest-out", "manifest"),
+];
+
+/// The recorded argv with each output redirected into `dir` (same file name), and a manifest
+/// path added if none was given. Returns the new argv.
+pub fn redirect_outputs(argv: &[String], dir: &Path) -> Vec<String> {
+    let to_dir = |v: &str| dir.join(Path::new(v).file_name().unwrap_or_default()).to_string_lossy().into_owned();
+    let mut out = Vec::with_capacity(argv.len() + 2);
+    let mut i = 0;
+    let mut saw_output = false;
+    let mut saw_manifest = false;
+    while i < argv.len() {
+        let a = &argv[i];
+        let flag = OUTPUT_FLAGS.iter().find(|(f, _)| a == f || a.starts_with(&format!("{f}=")));
+        match flag {
+            Some((f, role)) => {
+                saw_output |= *role == "imatrix";
+                saw_manifest |= *role == "manifest";
+                if let Some(v) = a.strip_prefix(&format!("{f}=")) {
+                    out.push(format!("{f}={}", to_dir(v)));
+                } else {
+                    out.push(a.clone());
+                    if let Some(v) = argv.get(i + 1) {
+                        out.push(to_dir(v));
+                        i += 1;
+                    }
+                }
+            }
+            None => out.push(a.clone()),
+        }
+        i += 1;
+    }
+    if !saw_output {
+        out.push("-o".into());
+        out.push(to_dir("imatrix.gguf"));
+    }
+    if !saw_manifest {
+        out.push("--manifest-out".into());
+        out.push(to_dir("reproduced.manifest.json"));
+    }
+    out
+}
+
+pub fn run(args: &ReproduceArgs) -> Result<i32> {
+    let m = Manifest::read(&args.manifest).map_err(|e| UsageError(format!("{e:#}")))?;
+    println!("reproduce {}: reap-imatrix {} on llama.cpp {}", args.manifest.display(), m.tool_version, m.llama_cpp_commit);
+    if m.tool_version != env!("CARGO_PKG_VERSION") || m.llama_cpp_commit != crate::llama::PIN_COMMIT || m.patches_sha256 != crate::llama::PATCHES_SHA256 {
+        println!(
+            "  warning: recorded with reap-imatrix {} / llama.cpp {} / patches {}, this is {} / {} / {}: outputs may differ",
+            m.tool_version,
+            m.llama_cpp_commit,
+            short(&m.patches_sha256),
+            env!("CARGO_PKG_VERSION"),
+            crate::llama::PIN_COMMIT,
+            short(crate::llama::PATCHES_SHA256)
+        );
+    }
+    if !m.cwd.is_dir() {
+        bail!(UsageError(format!("{}: the recorded working folder {} does not exist", args.manifest.display(), m.cwd.display())));
+    }
+    let mut inputs_ok = true;
+    for f in &m.inputs {
+        match FileRecord::of(&f.role, &f.path, &m.cwd) {
+            Ok(now) if now.sha256 == f.sha256 => println!("  input {} {}: unchanged", f.role, f.path.display()),
+            Ok(now) => {
+                inputs_ok = false;
+                println!("  input {} {}: CHANGED (sha256 {} recorded, {} now)", f.role, f.path.display(), short(&f.sha256), short(&now.sha256));
+            }
+            Err(e) => {
+                inputs_ok = false;
+                println!("  input {} {}: MISSING ({e:#})", f.role, f.path.display());
+            }
+        }
+    }
+    if !inputs_ok {
+        println!("not reproduced: the inputs differ from the recorded ones");
+        return Ok(crate::cli::EXIT_FAILURE);
+    }
+    let dir = match &args.work_dir {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("reap-reproduce-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let argv = redirect_outputs(&m.argv, &dir);
+    let exe = std::env::current_exe().context("locating this program")?;
+    let run = std::process::Command::new(exe)
+        .args(&argv)
+        .current_dir(&m.cwd)
+        .stdout(std::process::Stdio::null())
+        .output()
+        .context("re-running the recorded command")?;
+    if !run.status.success() {
+        bail!("the re-run failed ({}); its outputs are in {}:\n{}", run.status, dir.display(), String::from_utf8_lossy(&run.stderr).trim_end());
+    }
+    let mut all_same = true;
+    for f in &m.outputs {
+        let again = dir.join(f.path.file_name().unwrap_or_default());
+        match FileRecord::of(&f.role, &again, &m.cwd) {
+            Ok(now) if now.sha256 == f.sha256 => println!("  output {} {}: identical ({} bytes)", f.role, f.path.display(), now.size),
+            Ok(now) => {
+                all_same = false;
+                println!("  output {} {}: DIFFERENT (sha256 {} recorded, {} again)", f.role, f.path.display(), short(&f.sha256), short(&now.sha256));
+            }
+            Err(_) => {
+                all_same = false;
+                println!("  output {} {}: NOT WRITTEN by the re-run", f.role, f.path.display());
+            }
+        }
+    }
+    if args.keep || !all_same {
+        println!("  re-run outputs kept in {}", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    println!("{}", if all_same { "reproduced: every output is byte-identical" } else { "NOT reproduced" });
+    Ok(if all_same { 0 } else { crate::cli::EXIT_FAILURE })
+}
+
+fn short(sha: &str) -> &str {
+    &sha[..sha.len().min(12)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outputs_are_redirected_in_every_spelling() {
+        let argv: Vec<String> = ["-m", "m.gguf", "-o", "out/i.gguf", "--reap-out=r.json", "--trace-out", "/abs/t.bin", "-f", "c.txt"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let got = redirect_outputs(&argv, Path::new("/w"));
+        assert_eq!(
+            got,
+            ["-m", "m.gguf", "-o", "/w/i.gguf", "--reap-out=/w/r.json", "--trace-out", "/w/t.bin", "-f", "c.txt", "--manifest-out", "/w/reproduced.manifest.json"]
+        );
+        // no -o given: upstream's default name, in the scratch folder
+        let got = redirect_outputs(&["-m".into(), "m.gguf".into()], Path::new("/w"));
+        assert_eq!(got, ["-m", "m.gguf", "-o", "/w/imatrix.gguf", "--manifest-out", "/w/reproduced.manifest.json"]);
+    }
+}
