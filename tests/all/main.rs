@@ -4,6 +4,8 @@ mod build_steps;
 mod drop_in;
 mod fixture;
 mod manifest;
+mod replay;
+mod select;
 mod reap;
 mod trampoline;
 mod util;

@@ -40,15 +40,12 @@ pub struct KeepMap {
 
 impl KeepMap {
     pub fn to_json(&self) -> Value {
-        let layers: Vec<Value> = self
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, l)| json!({"layer": l.layer.unwrap_or(i as u32), "keep": l.keep}))
-            .collect();
-        let source = self.source.as_ref().map(|s| {
-            json!({"path": s.path, "sha256": s.sha256, "tokens": s.tokens, "trace_tokens_written": s.trace_tokens_written})
-        });
+        let layers: Vec<Value> =
+            self.layers.iter().enumerate().map(|(i, l)| json!({"layer": l.layer.unwrap_or(i as u32), "keep": l.keep})).collect();
+        let source = self
+            .source
+            .as_ref()
+            .map(|s| json!({"path": s.path, "sha256": s.sha256, "tokens": s.tokens, "trace_tokens_written": s.trace_tokens_written}));
         json!({
             "format": FORMAT,
             "version": VERSION,
@@ -87,7 +84,8 @@ impl KeepMap {
             let (layer, ids) = match l {
                 Value::Array(a) => (None, a),
                 Value::Object(_) => {
-                    let layer = l.get("layer").and_then(Value::as_u64).with_context(|| format!("layers[{i}]: missing integer \"layer\""))?;
+                    let layer =
+                        l.get("layer").and_then(Value::as_u64).with_context(|| format!("layers[{i}]: missing integer \"layer\""))?;
                     let a = l.get("keep").and_then(Value::as_array).with_context(|| format!("layers[{i}]: missing array \"keep\""))?;
                     (Some(u32::try_from(layer).with_context(|| format!("layers[{i}]: layer {layer} is out of range"))?), a)
                 }

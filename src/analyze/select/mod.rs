@@ -9,7 +9,7 @@ use crate::cli::UsageError;
 use crate::formats::atomic;
 use crate::formats::saliency::Saliency;
 use crate::formats::trace::TraceReader;
-use anyhow::{anyhow, Context as _, Result};
+use anyhow::{anyhow, Result};
 use keep_map::{sha256_hex, KeepLayer, KeepMap, Source};
 use score::{Method, Params, Prior};
 use serde_json::{json, Value};
@@ -120,8 +120,7 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
     // ---- inputs
     let bytes = std::fs::read(&args.reap).map_err(|e| usage(format!("--reap {}: {e}", args.reap.display())))?;
     let sha = sha256_hex(&bytes);
-    let value: Value =
-        serde_json::from_slice(&bytes).map_err(|e| usage(format!("--reap {}: not valid JSON: {e}", args.reap.display())))?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|e| usage(format!("--reap {}: not valid JSON: {e}", args.reap.display())))?;
     let sal = Saliency::from_json(&value).map_err(|e| usage(format!("--reap {}: {e:#}", args.reap.display())))?;
     if sal.layers.is_empty() {
         return Err(usage(format!("--reap {}: no MoE layers", args.reap.display())));
@@ -212,7 +211,12 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
                 k,
                 parameters: method_parameters(m, &params, &sal),
                 source: Some(source.clone()),
-                layers: sal.layers.iter().zip(&sets[mi][ki]).map(|(l, keep)| KeepLayer { layer: Some(l.layer), keep: keep.clone() }).collect(),
+                layers: sal
+                    .layers
+                    .iter()
+                    .zip(&sets[mi][ki])
+                    .map(|(l, keep)| KeepLayer { layer: Some(l.layer), keep: keep.clone() })
+                    .collect(),
             };
             let path = args.out_dir.join(map_file_name(m, k));
             map.write(&path)?;
@@ -310,8 +314,10 @@ fn build_report(
         sal.layers[0].n_expert_used,
         sal.tokens
     );
-    let dead_txt: Vec<String> = dead.iter().map(|(l, d)| format!("L{l}: {}", d.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "))).collect();
-    let _ = writeln!(t, "dead experts (count 0): {n_dead}{}", if n_dead > 0 { format!(" ({})", dead_txt.join("; ")) } else { String::new() });
+    let dead_txt: Vec<String> =
+        dead.iter().map(|(l, d)| format!("L{l}: {}", d.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "))).collect();
+    let _ =
+        writeln!(t, "dead experts (count 0): {n_dead}{}", if n_dead > 0 { format!(" ({})", dead_txt.join("; ")) } else { String::new() });
     let _ = writeln!(
         t,
         "prior for reap_shrink/reap_hybrid: {}; min-count {}",
@@ -331,7 +337,10 @@ fn build_report(
     let mut maps_json = Vec::new();
     for (ki, &k) in ks.iter().enumerate() {
         let _ = writeln!(t, "\nK = {k}");
-        let mut hdr = format!("{:<12} {:>10} {:>14} {:>10} {:>9} {:>9} {:>9}", "method", "slot repl", "worst (layer)", "count kept", "l2 kept", "min count", "dead kept");
+        let mut hdr = format!(
+            "{:<12} {:>10} {:>14} {:>10} {:>9} {:>9} {:>9}",
+            "method", "slot repl", "worst (layer)", "count kept", "l2 kept", "min count", "dead kept"
+        );
         if screened.is_some() {
             hdr += &format!(" {:>12} {:>10} {:>10} {:>8}", "slots pruned", "gate lost", "prob lost", "short");
         }
@@ -342,7 +351,8 @@ fn build_report(
             let mean_repl = repl.iter().sum::<f64>() / repl.len() as f64;
             let (worst_i, worst) = repl.iter().copied().enumerate().fold((0, f64::MIN), |a, (i, x)| if x > a.1 { (i, x) } else { a });
             let total: u64 = sal.layers.iter().map(|l| l.count.iter().sum::<u64>()).sum();
-            let kept: u64 = sal.layers.iter().zip(&sets[mi][ki]).map(|(l, keep)| keep.iter().map(|&i| l.count[i as usize]).sum::<u64>()).sum();
+            let kept: u64 =
+                sal.layers.iter().zip(&sets[mi][ki]).map(|(l, keep)| keep.iter().map(|&i| l.count[i as usize]).sum::<u64>()).sum();
             let count_share = if total > 0 { kept as f64 / total as f64 } else { 1.0 };
             let l2_mean = layers.iter().map(|s| s.l2_share).sum::<f64>() / layers.len() as f64;
             let min_count = layers.iter().map(|s| s.min_kept_count).min().unwrap_or(0);
@@ -362,7 +372,8 @@ fn build_report(
                 let sl = &sc[mi * ks.len() + ki];
                 let nl = sl.len() as f64;
                 let slot = sl.iter().map(|s| s.slot_share_pruned()).sum::<f64>() / nl;
-                let (wi, wv) = sl.iter().map(|s| s.slot_share_pruned()).enumerate().fold((0, f64::MIN), |a, (i, x)| if x > a.1 { (i, x) } else { a });
+                let (wi, wv) =
+                    sl.iter().map(|s| s.slot_share_pruned()).enumerate().fold((0, f64::MIN), |a, (i, x)| if x > a.1 { (i, x) } else { a });
                 let gate = sl.iter().map(|s| s.gate_share_lost()).sum::<f64>() / nl;
                 let prob = sl.iter().map(|s| s.router_prob_lost_per_token()).sum::<f64>() / nl;
                 let short: u64 = sl.iter().map(|s| s.tokens_short).sum();
@@ -410,7 +421,11 @@ fn build_report(
                 "screen": screen_json,
             }));
         }
-        if methods.iter().zip(sets).any(|(_, s)| s[ki].iter().zip(&sal.layers).any(|(keep, l)| keep.len() > l.count.iter().filter(|&&c| c > 0).count())) {
+        if methods
+            .iter()
+            .zip(sets)
+            .any(|(_, s)| s[ki].iter().zip(&sal.layers).any(|(keep, l)| keep.len() > l.count.iter().filter(|&&c| c > 0).count()))
+        {
             let _ = writeln!(t, "note: K = {k} exceeds the live experts of some layer; dead experts fill the rest (after every live one)");
         }
     }
@@ -452,11 +467,23 @@ fn build_report(
         for (mi, &m) in methods.iter().enumerate() {
             match nesting_violation(&sets[mi]) {
                 None => {
-                    let _ = writeln!(t, "nested across K ({}): {} yes", ks.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(" ⊂ "), m.name());
+                    let _ = writeln!(
+                        t,
+                        "nested across K ({}): {} yes",
+                        ks.iter().map(|k| k.to_string()).collect::<Vec<_>>().join(" ⊂ "),
+                        m.name()
+                    );
                     nested_json.insert(m.name().into(), json!({"nested": true}));
                 }
                 Some((ki, li)) => {
-                    let _ = writeln!(t, "nested across K: {} NO: K={} is not inside K={} in layer {}", m.name(), ks[ki - 1], ks[ki], sal.layers[li].layer);
+                    let _ = writeln!(
+                        t,
+                        "nested across K: {} NO: K={} is not inside K={} in layer {}",
+                        m.name(),
+                        ks[ki - 1],
+                        ks[ki],
+                        sal.layers[li].layer
+                    );
                     nested_json.insert(
                         m.name().into(),
                         json!({"nested": false, "first_violation": {"k_small": ks[ki - 1], "k_large": ks[ki], "layer": sal.layers[li].layer}}),
@@ -470,7 +497,10 @@ fn build_report(
         for (ki, &k) in ks.iter().enumerate() {
             for (mi, &m) in methods.iter().enumerate() {
                 let _ = writeln!(t, "\n{} K = {k}, per layer", m.name());
-                let mut hdr = format!("{:>6} {:>10} {:>10} {:>9} {:>10} {:>9}", "layer", "slot repl", "count kept", "l2 kept", "min count", "dead kept");
+                let mut hdr = format!(
+                    "{:>6} {:>10} {:>10} {:>9} {:>10} {:>9}",
+                    "layer", "slot repl", "count kept", "l2 kept", "min count", "dead kept"
+                );
                 if screened.is_some() {
                     hdr += &format!(" {:>12} {:>10} {:>10} {:>8}", "slots pruned", "gate lost", "prob lost", "short");
                 }

@@ -208,9 +208,9 @@ mod tests {
         let mut l = LayerSums::new(47, n, 4);
         for i in 0..n {
             let (count, mean) = match i {
-                0..=2 => (20_000u64, 10.0),                  // heavy hitters, big outputs
-                3..=5 => (0, 0.0),                           // dead
-                6..=9 => (3, 1.5),                           // rare
+                0..=2 => (20_000u64, 10.0),                        // heavy hitters, big outputs
+                3..=5 => (0, 0.0),                                 // dead
+                6..=9 => (3, 1.5),                                 // rare
                 _ => (500 + 37 * i as u64, 1.0 + 0.05 * i as f64), // the bulk
             };
             l.count[i] = count;

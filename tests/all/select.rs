@@ -1,0 +1,221 @@
+//! `reap-imatrix select`: keep maps and the report, from synthetic saliency files and traces.
+
+use super::util::*;
+use reap_imatrix::formats::saliency::{LayerSums, Saliency};
+use reap_imatrix::formats::trace::{RowData, TraceFile, TraceHeader, FLAG_NORMALISED};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const METHODS: &str = "frequency,reap_mean,reap_l2_sum,ean_sum,reap_shrink,reap_hybrid";
+
+/// The audit's shape: heavy hitters with big outputs pull the count-weighted mean above most
+/// experts' means; a few experts never fire; a few fire rarely.
+fn skewed_layer(layer: u32, n: usize, dead: &[usize]) -> LayerSums {
+    let mut l = LayerSums::new(layer, n, 2);
+    for i in 0..n {
+        let (count, mean) = if dead.contains(&i) {
+            (0u64, 0.0)
+        } else if i < 2 {
+            (5000, 10.0)
+        } else if i < 4 {
+            (3, 1.2)
+        } else {
+            (200 + 13 * i as u64, 1.0 + 0.03 * i as f64)
+        };
+        l.count[i] = count;
+        l.reap_l2_sum[i] = mean * count as f64;
+        l.reap_l2_sq_sum[i] = count as f64 * mean * mean * 1.1;
+        l.ean_sum[i] = 3.0 * mean * count as f64;
+        l.prob_sum[i] = 0.3 * count as f64;
+    }
+    l.tokens = l.count.iter().sum::<u64>() / 2;
+    l
+}
+
+fn write_saliency(dir: &Path, layers: Vec<LayerSums>, trace_rows: u64) -> PathBuf {
+    let s =
+        Saliency { tokens: layers[0].tokens, nonfinite_drops: 0, trace_tokens_written: trace_rows, metadata: Default::default(), layers };
+    let p = dir.join("run.reap.json");
+    s.write(&p).unwrap();
+    p
+}
+
+fn json(p: &Path) -> Value {
+    serde_json::from_slice(&read(p)).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+fn select(args: &[&str]) -> std::process::Output {
+    run(Command::new(ours()).arg("select").args(args))
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[test]
+fn select_writes_nested_keep_maps_and_a_report() {
+    let d = temp_dir("select-maps");
+    let sal = write_saliency(&d, vec![skewed_layer(3, 24, &[7, 9]), skewed_layer(5, 24, &[11])], 0);
+    let out_dir = d.join("maps");
+    let out = run_ok(
+        Command::new(ours()).args(["select", "--reap"]).arg(&sal).args(["--method", METHODS, "--k", "16,8,12", "--out-dir"]).arg(&out_dir),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("K = 8") && text.contains("K = 16") && text.contains("overlap at K = 12"), "{text}");
+    assert!(text.contains("nested across K (8 ⊂ 12 ⊂ 16): reap_shrink yes"), "{text}");
+    let sha = sha256_hex(&read(&sal));
+    for m in METHODS.split(',') {
+        for k in [8usize, 12, 16] {
+            let v = json(&out_dir.join(format!("keep_{m}_k{k}.json")));
+            assert_eq!(v["method"], m);
+            assert_eq!(v["k"], k);
+            assert!(v["parameters"].is_object());
+            assert_eq!(v["source"]["sha256"], sha.as_str());
+            let layers = v["layers"].as_array().unwrap();
+            assert_eq!(layers.iter().map(|l| l["layer"].as_u64().unwrap()).collect::<Vec<_>>(), vec![3, 5]);
+            for (l, dead) in layers.iter().zip([&[7u64, 9][..], &[11][..]]) {
+                let keep: Vec<u64> = l["keep"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+                assert_eq!(keep.len(), k);
+                assert!(keep.windows(2).all(|w| w[0] < w[1]), "{m} K={k}: not sorted ascending: {keep:?}");
+                assert!(dead.iter().all(|d| !keep.contains(d)), "{m} K={k} keeps a dead expert: {keep:?}");
+            }
+        }
+    }
+    let r = json(&out_dir.join("select_report.json"));
+    for m in METHODS.split(',') {
+        assert_eq!(r["nested"][m]["nested"], true, "{m}");
+    }
+    let maps = r["maps"].as_array().unwrap();
+    assert_eq!(maps.len(), 18);
+    for m in maps {
+        assert_eq!(m["dead_kept"], 0);
+        let layers = m["layers"].as_array().unwrap();
+        assert_eq!(layers.len(), 2);
+        let repl: Vec<f64> = layers.iter().map(|l| l["slot_replacement"].as_f64().unwrap()).collect();
+        let mean = (repl[0] + repl[1]) / 2.0;
+        assert!((m["slot_replacement_mean"].as_f64().unwrap() - mean).abs() < 1e-12);
+        let worst = repl[0].max(repl[1]);
+        assert_eq!(m["slot_replacement_worst"]["value"].as_f64().unwrap(), worst);
+    }
+    // frequency keeps the most-hit experts, so it has the smallest replacement at every K
+    let repl = |m: &str, k: u64| maps.iter().find(|x| x["method"] == m && x["k"] == k).unwrap()["slot_replacement_mean"].as_f64().unwrap();
+    for k in [8, 12, 16] {
+        for m in METHODS.split(',') {
+            assert!(repl("frequency", k) <= repl(m, k) + 1e-15, "{m} K={k}");
+        }
+    }
+    assert!(r["overlap"].as_array().unwrap().iter().any(|o| o["a"] == "frequency" && o["b"] == "reap_l2_sum" && o["k"] == 8));
+}
+
+#[test]
+fn shrink_with_median_or_lcb_prior_keeps_no_dead_expert_the_audit_scenario() {
+    let d = temp_dir("select-shrink");
+    // 32 experts, 4 dead, 2 heavy hitters, 2 rare: K = 20 and 26 leave live experts out
+    let sal = write_saliency(&d, vec![skewed_layer(0, 32, &[20, 21, 22, 23]), skewed_layer(47, 32, &[31])], 0);
+    for (prior, extra) in [("median", vec![]), ("lcb", vec!["--z", "1.5"]), ("median", vec!["--min-count", "10"])] {
+        let out_dir = d.join(format!("{prior}{}", extra.len()));
+        let mut args = vec!["--method", "reap_shrink,reap_hybrid", "--k", "20,26,30", "--prior", prior];
+        args.extend(extra.iter().copied());
+        run_ok(Command::new(ours()).args(["select", "--reap"]).arg(&sal).args(&args).arg("--out-dir").arg(&out_dir));
+        let r = json(&out_dir.join("select_report.json"));
+        for m in r["maps"].as_array().unwrap() {
+            let k = m["k"].as_u64().unwrap();
+            // layer 0 has 28 live experts: only K = 30 must take 2 dead ones
+            let want = if k == 30 { 2 } else { 0 };
+            assert_eq!(m["layers"][0]["dead_kept"], want, "{prior} {} K={k}", m["method"]);
+            assert_eq!(m["layers"][1]["dead_kept"], 0, "{prior} {} K={k}", m["method"]);
+        }
+        let v = json(&out_dir.join("keep_reap_shrink_k20.json"));
+        assert_eq!(v["parameters"]["prior"], prior);
+    }
+}
+
+#[test]
+fn select_refuses_bad_input_with_exit_2() {
+    let d = temp_dir("select-bad");
+    let sal = write_saliency(&d, vec![skewed_layer(0, 16, &[])], 0);
+    let s = sal.to_str().unwrap();
+    let out_dir = d.join("o");
+    let o = out_dir.to_str().unwrap();
+    let out = select(&["--reap", s, "--method", "frequency", "--k", "8,17", "--out-dir", o]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--k 17") && err.contains("16 experts") && err.contains("run.reap.json"), "{err}");
+    let out = select(&["--reap", s, "--method", "frequency", "--k", "1", "--out-dir", o]);
+    assert_eq!(out.status.code(), Some(2), "K below n_expert_used");
+    let out = select(&["--reap", s, "--method", "nope", "--k", "8", "--out-dir", o]);
+    assert_eq!(out.status.code(), Some(2));
+    let missing = d.join("missing.json");
+    let out = select(&["--reap", missing.to_str().unwrap(), "--method", "frequency", "--k", "8", "--out-dir", o]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("missing.json"));
+    std::fs::write(d.join("bad.json"), b"{\"format\": \"reap-saliency\"").unwrap();
+    let out = select(&["--reap", d.join("bad.json").to_str().unwrap(), "--method", "frequency", "--k", "8", "--out-dir", o]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn substitution_screen_counts_pruned_slots_and_lost_probability() {
+    let d = temp_dir("select-screen");
+    // 1 MoE layer (block 2), 8 experts, k = 2, top-N 3; counts make frequency keep {0,1,2,3} at K = 4
+    let mut l = LayerSums::new(2, 8, 2);
+    l.count = vec![80, 70, 60, 50, 5, 4, 3, 0];
+    l.reap_l2_sum = l.count.iter().map(|&c| c as f64).collect();
+    l.reap_l2_sq_sum = l.count.iter().map(|&c| c as f64 * 1.5).collect();
+    l.tokens = 136;
+    let sal = write_saliency(&d, vec![l], 4);
+    let h = TraceHeader { layers: vec![2], n_expert: 8, k: 2, top_n: 3, n_tokens: 0, flags: FLAG_NORMALISED };
+    let trace = d.join("run.trace");
+    let layout = h.layout();
+    let mut f = TraceFile::create(&trace, h).unwrap();
+    let mut buf = Vec::new();
+    // (sel, sel weights, cand, cand probs)
+    type Row = ([u16; 2], [f32; 2], [u16; 3], [f32; 3]);
+    let rows: [Row; 4] = [
+        ([0, 1], [0.6, 0.4], [0, 1, 5], [0.5, 0.3, 0.1]),   // nothing pruned
+        ([4, 0], [0.75, 0.25], [4, 0, 6], [0.6, 0.2, 0.1]), // 4 pruned: gate .75, prob .6; 1 survivor
+        ([5, 6], [0.5, 0.5], [5, 6, 7], [0.4, 0.4, 0.1]),   // both pruned, and no survivor among the candidates
+        ([2, 3], [0.5, 0.5], [2, 3, 0], [0.3, 0.3, 0.2]),   // nothing pruned
+    ];
+    for (t, (sel, w, cand, p)) in rows.iter().enumerate() {
+        layout.encode(&RowData { chunk: 0, pos: t as u32, token: 0, sel_weight: w, cand_prob: p, sel_id: sel, cand_id: cand }, &mut buf);
+    }
+    f.append(&buf, 4).unwrap();
+    let out_dir = d.join("o");
+    let out = run_ok(
+        Command::new(ours())
+            .args(["select", "--reap"])
+            .arg(&sal)
+            .args(["--method", "frequency", "--k", "4", "--trace"])
+            .arg(&trace)
+            .arg("--out-dir")
+            .arg(&out_dir),
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("slots pruned"));
+    let keep = json(&out_dir.join("keep_frequency_k4.json"));
+    assert_eq!(keep["layers"][0]["keep"], serde_json::json!([0, 1, 2, 3]));
+    let r = json(&out_dir.join("select_report.json"));
+    let s = &r["maps"][0]["screen"]["layers"][0];
+    assert_eq!(s["slots"], 8);
+    assert_eq!(s["pruned_slots"], 3);
+    assert_eq!(s["tokens_with_pruned_pick"], 2);
+    assert_eq!(s["tokens_short"], 2);
+    assert!((s["slot_share_pruned"].as_f64().unwrap() - 3.0 / 8.0).abs() < 1e-12);
+    assert!((s["gate_share_lost"].as_f64().unwrap() - 1.75 / 4.0).abs() < 1e-6);
+    assert!((s["router_prob_lost"].as_f64().unwrap() - 1.4).abs() < 1e-6);
+    assert!((s["router_prob_lost_per_token"].as_f64().unwrap() - 0.35).abs() < 1e-6);
+    // a trace of another shape is refused
+    let h2 = TraceHeader { layers: vec![3], n_expert: 8, k: 2, top_n: 3, n_tokens: 0, flags: FLAG_NORMALISED };
+    let other = d.join("other.trace");
+    TraceFile::create(&other, h2).unwrap();
+    let out = run(Command::new(ours())
+        .args(["select", "--reap"])
+        .arg(&sal)
+        .args(["--method", "frequency", "--k", "4", "--trace"])
+        .arg(&other)
+        .arg("--out-dir")
+        .arg(&out_dir));
+    assert_eq!(out.status.code(), Some(2));
+}
