@@ -11,6 +11,7 @@ pub mod writer;
 use crate::cli::imatrix_args::{beside_output, ImatrixArgs, OutputFormat};
 use crate::collect::trace_rows::{BatchLayout, SeqSpan, TraceRows};
 use crate::formats::trace::{TraceHeader, FLAG_NORMALISED};
+use crate::formats::manifest::FileRecord;
 use observer::{Checkpoint, ReapState};
 use serde_json::{json, Value};
 use crate::cli::UsageError;
@@ -146,14 +147,15 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let w = Writer::spawn();
         w.send(plan.job(SaveRequest { at: None, state: collector.state }));
         w.finish()?;
-        return write_manifest(&plan, argv, &model_path, &[]);
+        let model = FileRecord::of("model", &model_path, &std::env::current_dir()?)?;
+        return write_manifest(&plan, argv, model, &[]);
     };
     let text = read_text(&text_path)?;
     let model_size = std::fs::metadata(&model_path).map(|m| m.len()).unwrap_or(0);
-    // hashing a large model takes a while: do it beside the compute
+    // hashing a large model takes a while: once per file version (cached), beside the compute
     let model_sha = {
         let p = model_path.clone();
-        std::thread::spawn(move || metadata::sha256_file(&p).ok())
+        std::thread::spawn(move || metadata::cached_sha256_file(&p).ok())
     };
     let model = Model::load(&model_path, &model_params(&plan.args)?)?;
     let ctx_params = context_params(&plan)?;
@@ -214,7 +216,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         extra.push(("trace", p.clone()));
     }
     extra.extend(out.at_files.iter().map(|p| ("imatrix_at", p.clone())));
-    write_manifest(&plan, argv, &model_path, &extra)?;
+    let model_record = match &sha {
+        Some(h) => FileRecord { role: "model".into(), path: model_path.clone(), size: model_size, sha256: h.clone() },
+        None => FileRecord::of("model", &model_path, &std::env::current_dir()?)?,
+    };
+    write_manifest(&plan, argv, model_record, &extra)?;
     eprintln!(
         "collection: {:.3} s inside the eval callback over {} chunks",
         ctx.observer().busy.as_secs_f64(),
@@ -525,10 +531,10 @@ fn batch_rows(chunk0: usize, pos0: usize, len: usize, n_seq: usize, n_ubatch: us
 }
 
 /// Records what was run, on what, and what came out (see formats::manifest).
-fn write_manifest(plan: &Plan, argv: &[String], model: &Path, outputs: &[(&str, PathBuf)]) -> Result<()> {
-    use crate::formats::manifest::{FileRecord, Manifest};
+fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&str, PathBuf)]) -> Result<()> {
+    use crate::formats::manifest::Manifest;
     let cwd = std::env::current_dir().context("reading the working folder")?;
-    let mut inputs = vec![FileRecord::of("model", model, &cwd)?];
+    let mut inputs = vec![model];
     if let Some(f) = &plan.args.file {
         inputs.push(FileRecord::of("corpus", f, &cwd)?);
     }
