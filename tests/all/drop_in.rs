@@ -15,9 +15,12 @@ struct Pair {
 
 /// Runs both tools with `args`; `-o` names a file inside each tool's own folder.
 fn run_both(name: &str, model: &Path, out_name: &str, args: &[&str]) -> Pair {
+    run_both_on(name, model, &corpus(), out_name, args)
+}
+
+fn run_both_on(name: &str, model: &Path, corpus: &Path, out_name: &str, args: &[&str]) -> Pair {
     let ours_dir = temp_dir(&format!("{name}-ours"));
     let ref_dir = temp_dir(&format!("{name}-ref"));
-    let corpus = corpus();
     let go = |bin: PathBuf, dir: &Path| {
         run_ok(
             Command::new(bin)
@@ -25,7 +28,7 @@ fn run_both(name: &str, model: &Path, out_name: &str, args: &[&str]) -> Pair {
                 .arg("-m")
                 .arg(model)
                 .arg("-f")
-                .arg(&corpus)
+                .arg(corpus)
                 .args(["-o", out_name])
                 .args(args),
         )
@@ -72,6 +75,26 @@ fn qwen3moe_c512_b512_is_byte_identical() {
     let p = run_both("q3-c512", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "512", "-b", "512", "--parse-special"]));
     p.assert_same_file("imatrix.gguf");
     p.assert_same_ppl();
+}
+
+#[test]
+fn the_audited_command_line_runs_unchanged() {
+    // the command of the audited pipeline, verbatim but for the file names (-ngl 99 on a CPU
+    // build is ignored by both, with upstream's warning); the first 48 KB of the corpus
+    // (about 5 chunks of 2048 tokens) keep upstream's all-logits pass short
+    let d = temp_dir("audited-corpus");
+    let text = read(&corpus());
+    let cut = text[..48 * 1024].iter().rposition(|&b| b == b'\n').unwrap() + 1;
+    let short = d.join("calibration_mix_v2.txt");
+    std::fs::write(&short, &text[..cut]).unwrap();
+    let p = run_both_on(
+        "audited",
+        &fixture("qwen3moe"),
+        &short,
+        "imatrix.gguf",
+        &["--parse-special", "-c", "2048", "-b", "512", "-ngl", "99", "--chunks", "64", "--output-frequency", "5", "--no-ppl"],
+    );
+    p.assert_same_file("imatrix.gguf");
 }
 
 #[test]

@@ -178,10 +178,16 @@ fn dot_row(w: &[f32], cols: usize, rows: usize, e: usize, r: usize, x: &[f64]) -
 
 #[test]
 fn saliency_sums_equal_an_independent_computation_from_the_weights() {
+    // qwen3moe renormalises the top-k gate weights; qwen2moe multiplies by the raw softmax
+    independent_computation("qwen3moe", true);
+    independent_computation("qwen2moe", false);
+}
+
+fn independent_computation(arch: &str, normalised: bool) {
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
-    let d = temp_dir("reap-independent");
+    let d = temp_dir(&format!("reap-independent-{arch}"));
     let model_path = d.join("m.gguf");
-    run_ok(Command::new(ours()).args(["fixture", "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path));
+    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path));
     let n_ctx = 64usize;
     calibrate(&d, &model_path, &["-c", &n_ctx.to_string(), "-b", "64", "--chunks", "1", "--trace-out", "t.bin"]);
     let s = Saliency::read(&d.join("i.reap.json")).unwrap();
@@ -218,7 +224,7 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
     for t in 0..n_ctx {
         let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
-        // softmax router, top-k, renormalised (qwen3moe)
+        // softmax router, top-k, renormalised or not
         let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
         let m = logits.iter().cloned().fold(f64::MIN, f64::max);
         let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
@@ -231,8 +237,8 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
         let mut mine = sel.to_vec();
         from_trace.sort();
         mine.sort();
-        assert_eq!(mine, from_trace, "token {t}: top-{k} differs");
-        let wsum: f64 = sel.iter().map(|&e| probs[e]).sum();
+        assert_eq!(mine, from_trace, "{arch} token {t}: top-{k} differs");
+        let wsum: f64 = if normalised { sel.iter().map(|&e| probs[e]).sum() } else { 1.0 };
         for &e in sel {
             let g = probs[e] / wsum;
             let h: Vec<f64> = (0..n_ff)
@@ -257,8 +263,8 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
             assert_eq!(lay.reap_l2_sum[e], 0.0);
             continue;
         }
-        assert!(rel(reap[e], lay.reap_l2_sum[e]) < 1e-5, "expert {e}: reap_l2_sum {} vs independent {}", lay.reap_l2_sum[e], reap[e]);
-        assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
-        assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
+        assert!(rel(reap[e], lay.reap_l2_sum[e]) < 1e-5, "{arch} expert {e}: reap_l2_sum {} vs independent {}", lay.reap_l2_sum[e], reap[e]);
+        assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "{arch} expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
+        assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "{arch} expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
     }
 }
