@@ -30,3 +30,17 @@ pub fn replace_with(target: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
 pub fn write_bytes(target: &Path, bytes: &[u8]) -> Result<()> {
     replace_with(target, |tmp| std::fs::write(tmp, bytes).with_context(|| format!("writing {}", tmp.display())))
 }
+
+/// Writes `v` as pretty JSON (newline-terminated) to `target` atomically; `what` names the
+/// kind of file in the error ("saliency", "manifest", …).
+pub fn write_json(target: &Path, v: &serde_json::Value, what: &str) -> Result<()> {
+    let mut text = serde_json::to_string_pretty(v)?;
+    text.push('\n');
+    write_bytes(target, text.as_bytes()).with_context(|| format!("writing {what} {}", target.display()))
+}
+
+/// Reads a JSON file; errors name the file and the kind of file.
+pub fn read_json(path: &Path, what: &str) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("{what} {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{what} {}: not valid JSON", path.display()))
+}

@@ -70,14 +70,11 @@ impl Manifest {
     }
 
     pub fn write(&self, path: &Path) -> Result<()> {
-        let mut text = serde_json::to_string_pretty(&self.to_json())?;
-        text.push('\n');
-        atomic::write_bytes(path, text.as_bytes()).with_context(|| format!("writing manifest {}", path.display()))
+        atomic::write_json(path, &self.to_json(), "manifest")
     }
 
     pub fn read(path: &Path) -> Result<Manifest> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("manifest {}", path.display()))?;
-        let v: Value = serde_json::from_str(&text).with_context(|| format!("manifest {}: not valid JSON", path.display()))?;
+        let v = atomic::read_json(path, "manifest")?;
         Self::from_json(&v).with_context(|| format!("manifest {}", path.display()))
     }
 

@@ -96,14 +96,11 @@ impl Saliency {
                 bail!("saliency for layer {} holds a non-finite sum; refusing to write {}", l.layer, path.display());
             }
         }
-        let mut text = serde_json::to_string_pretty(&self.to_json())?;
-        text.push('\n');
-        atomic::write_bytes(path, text.as_bytes()).with_context(|| format!("writing saliency {}", path.display()))
+        atomic::write_json(path, &self.to_json(), "saliency")
     }
 
     pub fn read(path: &Path) -> Result<Saliency> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("saliency file {}", path.display()))?;
-        let v: Value = serde_json::from_str(&text).with_context(|| format!("saliency file {}: not valid JSON", path.display()))?;
+        let v = atomic::read_json(path, "saliency file")?;
         Self::from_json(&v).with_context(|| format!("saliency file {}", path.display()))
     }
 

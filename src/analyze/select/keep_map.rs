@@ -59,16 +59,13 @@ impl KeepMap {
 
     /// Writes the map atomically (pretty JSON, one line per layer's list is not guaranteed).
     pub fn write(&self, path: &Path) -> Result<()> {
-        let mut text = serde_json::to_string_pretty(&self.to_json())?;
-        text.push('\n');
-        atomic::write_bytes(path, text.as_bytes()).with_context(|| format!("writing keep map {}", path.display()))
+        atomic::write_json(path, &self.to_json(), "keep map")
     }
 
     /// Reads a map. Accepts our own files and the contract's minimal form: `"method"`, `"k"`
     /// and `"layers"` as plain lists of ids or objects with `"layer"` and `"keep"`.
     pub fn read(path: &Path) -> Result<KeepMap> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("keep map {}", path.display()))?;
-        let v: Value = serde_json::from_str(&text).with_context(|| format!("keep map {}: not valid JSON", path.display()))?;
+        let v = atomic::read_json(path, "keep map")?;
         Self::from_json(&v).with_context(|| format!("keep map {}", path.display()))
     }
 
