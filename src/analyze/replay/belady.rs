@@ -6,7 +6,7 @@
 //! (token, layer, slot), the only memory of the replay that grows with the trace.
 
 use super::engine::{Family, Shape, SimCounts, Step};
-use super::resident::Resident;
+use super::resident::{self, Resident};
 
 pub struct Belady {
     ne: usize,
@@ -47,10 +47,6 @@ impl Family for Belady {
         }
     }
     fn counts(&self) -> Vec<SimCounts> {
-        self.caches
-            .iter()
-            .enumerate()
-            .map(|(c, r)| SimCounts { policy: "belady", capacity: c, hits: r.hits.clone(), misses: r.misses.clone() })
-            .collect()
+        resident::counts("belady", &self.caches)
     }
 }

@@ -12,7 +12,7 @@
 //! d^(t−t0) and t0 moves to t (before token t's credits are added).
 
 use super::engine::{Family, Shape, SimCounts, Step, NONE};
-use super::resident::Resident;
+use super::resident::{self, Resident};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Credit {
@@ -175,11 +175,6 @@ impl Family for Ema {
     }
 
     fn counts(&self) -> Vec<SimCounts> {
-        let name = self.credit.policy_name();
-        self.caches
-            .iter()
-            .enumerate()
-            .map(|(c, r)| SimCounts { policy: name, capacity: c, hits: r.hits.clone(), misses: r.misses.clone() })
-            .collect()
+        resident::counts(self.credit.policy_name(), &self.caches)
     }
 }

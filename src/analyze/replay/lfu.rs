@@ -2,7 +2,7 @@
 //! resident or not: "perfect" LFU), ties to the one used longest ago.
 
 use super::engine::{Family, Shape, SimCounts, Step};
-use super::resident::Resident;
+use super::resident::{self, Resident};
 
 pub struct Lfu {
     ne: usize,
@@ -43,10 +43,6 @@ impl Family for Lfu {
         }
     }
     fn counts(&self) -> Vec<SimCounts> {
-        self.caches
-            .iter()
-            .enumerate()
-            .map(|(c, r)| SimCounts { policy: "lfu", capacity: c, hits: r.hits.clone(), misses: r.misses.clone() })
-            .collect()
+        resident::counts("lfu", &self.caches)
     }
 }

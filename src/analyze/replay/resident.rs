@@ -6,7 +6,7 @@
 //! The token's own picks are pinned for the token: their slots hold `(u64::MAX, u64::MAX)`,
 //! which no real key reaches, from `pin` until `settle` writes their new keys back.
 
-use super::engine::{Shape, NONE};
+use super::engine::{Shape, SimCounts, NONE};
 
 /// Above every real key (keys are f64 bits of non-negative scores, counts, or u32 distances,
 /// all below i64::MAX), so the scan can compare keys as i64.
@@ -24,6 +24,15 @@ pub struct Resident {
     slot: Vec<u16>,
     pub hits: Vec<u64>,
     pub misses: Vec<u64>,
+}
+
+/// The hit and miss counts of one policy's caches, one entry per capacity (by index).
+pub fn counts(policy: &'static str, caches: &[Resident]) -> Vec<SimCounts> {
+    caches
+        .iter()
+        .enumerate()
+        .map(|(c, r)| SimCounts { policy, capacity: c, hits: r.hits.clone(), misses: r.misses.clone() })
+        .collect()
 }
 
 impl Resident {
