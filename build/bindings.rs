@@ -6,7 +6,7 @@ use std::path::Path;
 pub fn generate(cfg: &Config, source_dir: &Path) -> Result<(), String> {
     let header = cfg.manifest_dir.join("src/llama/wrapper.h");
     let out = cfg.out_dir.join("bindings.rs");
-    let result = std::panic::catch_unwind(|| {
+    let result = crate::quiet_panics(|| {
         bindgen::Builder::default()
             .header(header.to_string_lossy())
             .clang_arg(format!("-I{}", source_dir.join("include").display()))
@@ -22,10 +22,11 @@ pub fn generate(cfg: &Config, source_dir: &Path) -> Result<(), String> {
     let bindings = match result {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => return Err(format!("bindgen could not read {}: {e}", header.display())),
-        Err(_) => {
-            return Err("bindgen needs libclang. Install it: `apt-get install libclang-dev` (Debian), \
-                        or run scripts/setup. If it is installed elsewhere, set LIBCLANG_PATH."
-                .into())
+        Err(why) => {
+            return Err(format!(
+                "bindgen failed ({why}). It needs libclang: `apt-get install libclang-dev` (Debian), \
+                 or run scripts/setup. If it is installed elsewhere, set LIBCLANG_PATH."
+            ))
         }
     };
     bindings.write_to_file(&out).map_err(|e| format!("{}: {e}", out.display()))

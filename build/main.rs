@@ -9,10 +9,14 @@ mod config;
 mod native;
 mod patch;
 mod source;
+mod toolchain;
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // A panic inside a build dependency (bindgen, the cmake crate) is caught and reported as our
+    // one message; its default hook would print a backtrace first.
+    std::panic::set_hook(Box::new(|_| {}));
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(msg) => {
@@ -24,6 +28,7 @@ fn main() -> ExitCode {
 
 fn run() -> Result<(), String> {
     let cfg = config::Config::from_env()?;
+    toolchain::check()?;
     let pristine = source::locate_pristine(&cfg)?;
     let libs = native::build_llama(&cfg, &pristine)?;
     bindings::generate(&cfg, &libs.source_dir)?;
@@ -33,4 +38,14 @@ fn run() -> Result<(), String> {
     println!("cargo:rustc-env=REAP_LLAMA_SHA256={}", cfg.pin.sha256);
     println!("cargo:rustc-env=REAP_PATCHES_SHA256={}", libs.patches_digest);
     Ok(())
+}
+
+/// Runs `f`, turning a panic into its message.
+pub fn quiet_panics<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        p.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic without a message".into())
+    })
 }

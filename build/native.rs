@@ -9,7 +9,6 @@ use crate::config::Config;
 use crate::patch;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 pub struct NativeLibs {
     pub source_dir: PathBuf,
@@ -20,7 +19,6 @@ pub struct NativeLibs {
 }
 
 pub fn build_llama(cfg: &Config, pristine: &Path) -> Result<NativeLibs, String> {
-    check_tool("cmake", "--version", "cmake")?;
     let patches = patch::list_patches(&cfg.patches_dir).map_err(|e| format!("{}: {e}", cfg.patches_dir.display()))?;
     let patches_digest = patch::digest(&patches).map_err(|e| format!("reading patches: {e}"))?;
     let key = build_key(cfg, &patches_digest);
@@ -83,10 +81,10 @@ fn run_cmake(cfg: &Config, source_dir: &Path, root: &Path) -> Result<(), String>
         c.define("CMAKE_CUDA_ARCHITECTURES", archs);
     }
     // the cmake crate panics on failure; turn that into our one-message error
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    crate::quiet_panics(|| {
         c.build();
-    }))
-    .map_err(|_| format!("building llama.cpp with CMake failed (see the output above); build folder {}", root.display()))
+    })
+    .map_err(|why| format!("building llama.cpp with CMake failed ({why}); see the output above; build folder {}", root.display()))
 }
 
 fn find_lib_dirs(build: &Path) -> Vec<PathBuf> {
@@ -139,16 +137,6 @@ impl NativeLibs {
                 println!("cargo:rustc-link-lib={l}");
             }
         }
-    }
-}
-
-fn check_tool(tool: &str, arg: &str, debian_pkg: &str) -> Result<(), String> {
-    match Command::new(tool).arg(arg).output() {
-        Ok(o) if o.status.success() => Ok(()),
-        _ => Err(format!(
-            "`{tool}` was not found. Install it: `apt-get install {debian_pkg}` (Debian), \
-             or run scripts/setup, which installs everything the build needs."
-        )),
     }
 }
 
