@@ -5,7 +5,7 @@ fn main() {
         Ok(code) => code,
         Err(e) => {
             eprintln!("reap-imatrix: error: {e:#}");
-            reap_imatrix::cli::exit_code_for(&e)
+            reap_imatrix::error::exit_code_for(&e)
         }
     };
     std::process::exit(code);

@@ -2,7 +2,7 @@
 //! trace when given. Prints a report; exit 0 only when all hold (1 when one fails, 2 for a
 //! file that cannot be read).
 
-use crate::cli::UsageError;
+use crate::error::UsageError;
 use crate::formats::imatrix as imatrix_file;
 use crate::formats::saliency::{LayerSums, Saliency};
 use crate::formats::trace::{TraceReader, FLAG_NORMALISED};
@@ -173,7 +173,7 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
     }
 
     print_report(args, &s, &rep);
-    Ok(if rep.all_hold() { 0 } else { crate::cli::EXIT_FAILURE })
+    Ok(if rep.all_hold() { 0 } else { crate::error::EXIT_FAILURE })
 }
 
 fn print_report(args: &CheckArgs, s: &Saliency, rep: &Report) {

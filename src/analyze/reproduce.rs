@@ -2,7 +2,7 @@
 //! folder but with every output sent to a scratch folder, and reports whether each output is
 //! byte-identical to the recorded one. Exit 0 only when all are.
 
-use crate::cli::UsageError;
+use crate::error::UsageError;
 use crate::formats::manifest::{FileRecord, Manifest};
 use anyhow::{bail, Context as _, Result};
 use std::path::{Path, PathBuf};
@@ -84,6 +84,14 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
             short(crate::llama::PATCHES_SHA256)
         );
     }
+    match &m.platform {
+        Some(recorded) => {
+            if let Some(diff) = crate::formats::manifest::Platform::current().cpu_difference(recorded) {
+                println!("  warning: outputs may differ: {diff} (ggml is built for the CPU it runs on)");
+            }
+        }
+        None => println!("  note: the manifest does not record the CPU it ran on; outputs may differ on another CPU"),
+    }
     if !m.cwd.is_dir() {
         bail!(UsageError(format!("{}: the recorded working folder {} does not exist", args.manifest.display(), m.cwd.display())));
     }
@@ -103,7 +111,7 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
     }
     if !inputs_ok {
         println!("not reproduced: the inputs differ from the recorded ones");
-        return Ok(crate::cli::EXIT_FAILURE);
+        return Ok(crate::error::EXIT_FAILURE);
     }
     let dir = match &args.work_dir {
         Some(d) => d.clone(),
@@ -142,7 +150,7 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     println!("{}", if all_same { "reproduced: every output is byte-identical" } else { "NOT reproduced" });
-    Ok(if all_same { 0 } else { crate::cli::EXIT_FAILURE })
+    Ok(if all_same { 0 } else { crate::error::EXIT_FAILURE })
 }
 
 fn short(sha: &str) -> &str {

@@ -3,18 +3,20 @@
 //! chunk, put BOS first when the vocab adds it, request every output, and print perplexity
 //! over the second half of each chunk.
 
+pub mod args;
 pub mod metadata;
 pub mod observer;
 pub mod perplexity;
+pub mod show_statistics;
 pub mod writer;
 
-use crate::cli::imatrix_args::{beside_output, ImatrixArgs, OutputFormat};
+use crate::calibrate::args::{beside_output, ImatrixArgs, OutputFormat};
 use crate::collect::trace_rows::{BatchLayout, SeqSpan, TraceRows};
 use crate::formats::trace::{TraceHeader, FLAG_NORMALISED};
 use crate::formats::manifest::FileRecord;
 use observer::{Checkpoint, ReapState};
 use serde_json::{json, Value};
-use crate::cli::UsageError;
+use crate::error::UsageError;
 use crate::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig, SaveRequest};
 use crate::formats::imatrix as imatrix_file;
 use crate::llama::{self, Context, ContextParams, Model, ModelParams};
@@ -87,6 +89,36 @@ impl Plan {
         Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, args })
     }
 
+    /// Every file the run will write, with the flag that names it.
+    pub fn outputs(&self) -> Vec<(&'static str, PathBuf)> {
+        let mut v = vec![("-o", self.args.output_file.clone())];
+        if let Some(p) = &self.reap_out {
+            v.push(("--reap-out", p.clone()));
+        }
+        if let Some(p) = &self.args.trace_out {
+            v.push(("--trace-out", p.clone()));
+        }
+        v.push(("--manifest-out", self.manifest_path()));
+        v
+    }
+
+    pub fn manifest_path(&self) -> PathBuf {
+        self.args.manifest_out.clone().unwrap_or_else(|| beside_output(&self.args.output_file, ".manifest.json"))
+    }
+
+    /// Before anything is loaded or computed: every output can be written, and no two outputs
+    /// are the same file.
+    pub fn check_outputs(&self) -> Result<()> {
+        let outs = self.outputs();
+        for (i, (flag, p)) in outs.iter().enumerate() {
+            if let Some((other, _)) = outs[..i].iter().find(|(_, q)| same_file(p, q)) {
+                bail!(UsageError(format!("{flag} and {other} name the same file {}", p.display())));
+            }
+            crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("{flag} {e}")))?;
+        }
+        Ok(())
+    }
+
     /// Tokens per chunk as the imatrix file records it: n_ctx / n_parallel.
     pub fn chunk_size(&self) -> i32 {
         self.n_kv / self.n_seq
@@ -128,9 +160,10 @@ impl Plan {
 pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     llama::log::set_verbosity(if args.verbose { 2 } else { args.verbosity.unwrap_or(0) });
     if args.show_statistics {
-        return crate::formats::imatrix_stats::show(&args);
+        return show_statistics::show(&args);
     }
     let plan = Plan::from_args(args)?;
+    plan.check_outputs()?;
     let mut collector = plan.collector();
     for f in &plan.in_files {
         eprintln!("loading imatrix from '{}'", f.display());
@@ -316,6 +349,12 @@ impl Outputs<'_> {
         r.rows_handed += n;
         self.writer.send(Job::TraceRows { rows, n });
     }
+}
+
+/// Two spellings of one path (`a.json`, `./a.json`), compared without touching the disk.
+fn same_file(a: &Path, b: &Path) -> bool {
+    let norm = |p: &Path| -> PathBuf { p.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect() };
+    norm(a) == norm(b)
 }
 
 /// Whether the gate weights the graph applies come out of the top-k normalisation.
@@ -553,7 +592,7 @@ fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&
         argv: argv.to_vec(),
         inputs,
         outputs: outs,
+        platform: Some(crate::formats::manifest::Platform::current()),
     };
-    let path = plan.args.manifest_out.clone().unwrap_or_else(|| beside_output(&plan.args.output_file, ".manifest.json"));
-    m.write(&path)
+    m.write(&plan.manifest_path())
 }

@@ -4,34 +4,11 @@
 //! subcommand (`fixture`, …) switches to that tool.
 
 pub mod argv;
-pub mod imatrix_args;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use crate::error::{UsageError, EXIT_USAGE};
 use std::ffi::OsString;
-
-/// Exit codes (documented in the README): 0 ok, 1 run failed, 2 bad usage or bad input file.
-pub const EXIT_FAILURE: i32 = 1;
-pub const EXIT_USAGE: i32 = 2;
-
-/// An error in what the user gave us (a flag, a file), as opposed to a failure while running.
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-impl std::error::Error for UsageError {}
-
-pub fn exit_code_for(e: &anyhow::Error) -> i32 {
-    if e.chain().any(|c| c.is::<UsageError>()) {
-        EXIT_USAGE
-    } else {
-        EXIT_FAILURE
-    }
-}
 
 #[derive(Parser, Debug)]
 #[command(name = "reap-imatrix", version, about = "Importance matrices and REAP expert saliency for MoE models")]
@@ -45,15 +22,33 @@ struct Tools {
 #[command(
     name = "reap-imatrix",
     version,
-    about = "A drop-in llama-imatrix: same flags, same imatrix bytes.",
-    after_help = "Subcommands: reap-imatrix fixture --help\n\nllama.cpp's single-dash long flags (-ngl, -ub, -fa, -tb, -sm, -ts, -mg, -lm, -ofreq) are accepted."
+    about = "A drop-in llama-imatrix: same flags, same imatrix bytes; plus REAP saliency and routing traces."
 )]
 struct DropIn {
     #[command(flatten)]
-    args: imatrix_args::ImatrixArgs,
+    args: crate::calibrate::args::ImatrixArgs,
 }
 
-const SUBCOMMANDS: &[&str] = &["fixture", "check", "select", "replay", "reproduce"];
+/// The subcommands, as `Tools` declares them: (name, one-line description).
+fn subcommands() -> Vec<(String, String)> {
+    use clap::CommandFactory;
+    Tools::command()
+        .get_subcommands()
+        .map(|s| (s.get_name().to_string(), s.get_about().map(|a| a.to_string()).unwrap_or_default()))
+        .collect()
+}
+
+/// The drop-in `--help`'s closing text: every subcommand with one line.
+fn drop_in_after_help() -> String {
+    let subs = subcommands();
+    let width = subs.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
+    let mut s = String::from("Subcommands (reap-imatrix SUBCOMMAND --help for each):\n");
+    for (name, about) in &subs {
+        s += &format!("  {name:<width$}  {about}\n");
+    }
+    s += "\nllama.cpp's single-dash long flags (-ngl, -ub, -fa, -tb, -sm, -ts, -mg, -lm, -ofreq) are accepted.";
+    s
+}
 
 #[derive(Subcommand, Debug)]
 enum Command {
@@ -71,7 +66,7 @@ enum Command {
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
     let first = argv.get(1).and_then(|a| a.to_str()).unwrap_or("");
-    if !SUBCOMMANDS.contains(&first) {
+    if !subcommands().iter().any(|(n, _)| n == first) {
         return drop_in(argv);
     }
     let cli = match Tools::try_parse_from(&argv) {
@@ -97,7 +92,8 @@ fn drop_in(argv: Vec<OsString>) -> Result<i32> {
     if let Some(flag) = unsupported {
         anyhow::bail!(UsageError(format!("{flag}: accepted by llama-imatrix but not supported by reap-imatrix")));
     }
-    let parsed = match DropIn::try_parse_from(&argv) {
+    use clap::{CommandFactory, FromArgMatches};
+    let parsed = match DropIn::command().after_help(drop_in_after_help()).try_get_matches_from(&argv).and_then(|m| DropIn::from_arg_matches(&m)) {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { EXIT_USAGE } else { 0 };

@@ -5,28 +5,11 @@
 //! The collector never writes: when upstream would save a checkpoint (inside the callback,
 //! mid-graph), it takes a snapshot of exactly that state and queues it for the writer.
 
-use std::collections::BTreeMap;
 
 use crate::llama::sys;
 use crate::llama::TensorInfo;
 
-/// Σx² per column and the number of rows that contributed, per expert (or one for a dense
-/// matrix). `values` is `[n_mat][n_cols]` row-major.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Stats {
-    pub values: Vec<f32>,
-    pub counts: Vec<i64>,
-}
-
-/// The whole imatrix state as a file holds it.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Imatrix {
-    /// by weight name (`blk.0.ffn_down_exps.weight`); sorted, as every writer sorts
-    pub stats: BTreeMap<String, Stats>,
-    /// datasets of merged input files, in load order
-    pub datasets: Vec<String>,
-    pub last_chunk: i32,
-}
+pub use crate::formats::imatrix::{Imatrix, Stats};
 
 /// How the run was configured, as far as collection and checkpoints care.
 #[derive(Clone, Debug)]

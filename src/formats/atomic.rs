@@ -11,6 +11,30 @@ pub fn temp_path(target: &Path) -> PathBuf {
     target.with_file_name(name)
 }
 
+/// Whether `target` can be written the way `replace_with` writes it: its folder exists and a
+/// temporary file can be created (and is removed) there. Checked before a long run starts, so a
+/// typo in an output path costs a second, not the whole computation.
+pub fn check_writable(target: &Path) -> std::result::Result<(), String> {
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("{}: the folder {} does not exist", target.display(), dir.display()));
+    }
+    if target.is_dir() {
+        return Err(format!("{}: is a folder", target.display()));
+    }
+    let tmp = temp_path(target);
+    match std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp) {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&tmp);
+            Ok(())
+        }
+        Err(e) => Err(format!("{}: cannot write in {}: {e}", target.display(), dir.display())),
+    }
+}
+
 /// Writes `target` through `write(tmp_path)` and renames the result into place.
 pub fn replace_with(target: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = temp_path(target);

@@ -3,12 +3,29 @@
 //! API upstream uses, so the bytes match.
 
 use super::atomic;
-use crate::collect::imatrix::Imatrix;
 use crate::llama::sys;
 use anyhow::{bail, Context as _, Result};
 use std::collections::BTreeMap;
 use std::ffi::{CStr, CString};
 use std::path::Path;
+
+/// Σx² per column and the number of rows that contributed, per expert (or one for a dense
+/// matrix). `values` is `[n_mat][n_cols]` row-major.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Stats {
+    pub values: Vec<f32>,
+    pub counts: Vec<i64>,
+}
+
+/// The whole imatrix state as a file holds it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Imatrix {
+    /// by weight name (`blk.0.ffn_down_exps.weight`); sorted, as every writer sorts
+    pub stats: BTreeMap<String, Stats>,
+    /// datasets of merged input files, in load order
+    pub datasets: Vec<String>,
+    pub last_chunk: i32,
+}
 
 pub const KV_DATASETS: &str = "imatrix.datasets";
 pub const KV_CHUNK_COUNT: &str = "imatrix.chunk_count";
@@ -100,7 +117,7 @@ pub fn write_gguf(path: &Path, m: &Imatrix, prompt_file: &str, chunk_size: i32) 
 /// Writes the legacy `dat` imatrix (upstream's `save_imatrix_legacy`), atomically.
 /// Entries without any data are left out, as upstream does.
 pub fn write_dat(path: &Path, m: &Imatrix, prompt_file: &str, chunk_size: i32) -> Result<()> {
-    let stored: Vec<(&String, &crate::collect::imatrix::Stats)> = m
+    let stored: Vec<(&String, &Stats)> = m
         .stats
         .iter()
         .filter(|(_, s)| !s.counts.is_empty() && s.counts.iter().any(|&c| c != 0))

@@ -1,10 +1,7 @@
 //! `--show-statistics`: upstream's per-tensor and per-layer tables for one imatrix file,
 //! computed with the same f32 arithmetic and printed with the same printf formats.
 
-use crate::cli::imatrix_args::ImatrixArgs;
-use crate::cli::UsageError;
-use crate::collect::imatrix::{ImatrixCollector, ImatrixConfig, Stats, Imatrix};
-use anyhow::{bail, Result};
+use super::imatrix::Stats;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -140,29 +137,22 @@ pub fn fmt_f(v: f32, width: usize, prec: usize) -> String {
     format!("{s:>width$}")
 }
 
-pub fn show(args: &ImatrixArgs) -> Result<()> {
-    let files: Vec<&str> = args.in_file.last().map(|l| l.split(',').filter(|s| !s.is_empty()).collect()).unwrap_or_default();
-    if files.len() != 1 {
-        bail!(UsageError("a single imatrix file is required to compute tensor statistics".into()));
-    }
-    let path = Path::new(files[0]);
-    let loaded = crate::formats::imatrix::load(path).map_err(|e| UsageError(format!("{} is not a valid imatrix file: {e:#}", path.display())))?;
-    // upstream reads the file before it adjusts n_ctx for batching: chunk size is plain -c
-    // (it only scales legacy files)
-    let cfg = ImatrixConfig { chunk_size: args.ctx_size.max(1), out_freq: 1, save_freq: 0, process_output: false };
-    let mut c = ImatrixCollector::new(cfg, Imatrix::default());
-    c.merge(&loaded).map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
-    let mut ts: Vec<TensorStats> = c.state.stats.iter().filter_map(|(n, s)| compute(n, s)).collect();
-    if ts.is_empty() {
-        bail!("cannot compute statistics for {}", path.display());
-    }
-    compute_cossim(&mut ts);
+/// Upstream's row order: by tensor kind (`ffn_up`, …), then Σ(Act²) descending. Upstream's
+/// `std::sort` leaves rows with equal keys in an unspecified order (and whether two sums tie
+/// exactly depends on the CPU's float arithmetic); ours breaks ties by layer number, then by
+/// full tensor name, so the same file always prints the same table.
+pub fn sort_rows(ts: &mut [TensorStats]) {
+    let key = |t: &TensorStats| {
+        let (layer, kind) = split_tensor_name(&t.tensor);
+        (kind, layer.parse::<i64>().unwrap_or(-1))
+    };
     ts.sort_by(|a, b| {
-        let (na, nb) = (split_tensor_name(&a.tensor).1, split_tensor_name(&b.tensor).1);
-        na.cmp(&nb).then(b.total_sqract.partial_cmp(&a.total_sqract).unwrap_or(std::cmp::Ordering::Equal))
+        let ((ka, la), (kb, lb)) = (key(a), key(b));
+        ka.cmp(&kb)
+            .then(b.total_sqract.partial_cmp(&a.total_sqract).unwrap_or(std::cmp::Ordering::Equal))
+            .then(la.cmp(&lb))
+            .then(a.tensor.cmp(&b.tensor))
     });
-    print!("{}", render(path, &ts));
-    Ok(())
 }
 
 /// The two tables, as upstream prints them.
@@ -221,4 +211,30 @@ pub fn render(path: &Path, ts: &[TensorStats]) -> String {
     }
     o += "\n";
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(name: &str, total: f32) -> TensorStats {
+        compute(name, &Stats { values: vec![total, 0.0], counts: vec![1] }).unwrap()
+    }
+
+    #[test]
+    fn ties_are_broken_by_layer_number_then_name() {
+        let mut ts = vec![
+            row("blk.10.attn_k.weight", 64.0),
+            row("blk.2.attn_k.weight", 64.0),
+            row("blk.3.attn_k.weight", 80.0),
+            row("blk.0.ffn_up.weight", 1.0),
+            row("blk.1.attn_k.weight", 64.0),
+        ];
+        sort_rows(&mut ts);
+        let names: Vec<&str> = ts.iter().map(|t| t.tensor.as_str()).collect();
+        assert_eq!(
+            names,
+            ["blk.3.attn_k.weight", "blk.1.attn_k.weight", "blk.2.attn_k.weight", "blk.10.attn_k.weight", "blk.0.ffn_up.weight"]
+        );
+    }
 }

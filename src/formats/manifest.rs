@@ -30,6 +30,55 @@ pub struct Manifest {
     pub argv: Vec<String>,
     pub inputs: Vec<FileRecord>,
     pub outputs: Vec<FileRecord>,
+    /// what makes the numbers machine-dependent (absent in manifests written before it existed)
+    pub platform: Option<Platform>,
+}
+
+/// The machine a run computed on: llama.cpp's system info, the CPU features it reports as on
+/// (ggml is built with GGML_NATIVE, so these change the arithmetic) and the backend devices.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Platform {
+    pub system_info: String,
+    pub cpu_features: Vec<String>,
+    pub devices: Vec<String>,
+}
+
+impl Platform {
+    /// The machine this process computes on.
+    pub fn current() -> Platform {
+        use crate::llama::system;
+        let info = system::system_info();
+        Platform { cpu_features: system::cpu_features(&info), system_info: info, devices: system::devices() }
+    }
+
+    fn to_json(&self) -> Value {
+        json!({"system_info": self.system_info, "cpu_features": self.cpu_features, "devices": self.devices})
+    }
+
+    fn from_json(v: &Value) -> Platform {
+        let list = |k: &str| -> Vec<String> {
+            v.get(k).and_then(Value::as_array).map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect()).unwrap_or_default()
+        };
+        Platform {
+            system_info: v.get("system_info").and_then(Value::as_str).unwrap_or_default().to_string(),
+            cpu_features: list("cpu_features"),
+            devices: list("devices"),
+        }
+    }
+
+    /// "built for AVX512 here, AVX2 in the manifest": the features one side has and the other
+    /// lacks, or None when they agree.
+    pub fn cpu_difference(&self, recorded: &Platform) -> Option<String> {
+        let only = |a: &Platform, b: &Platform| -> Vec<String> {
+            a.cpu_features.iter().filter(|f| !b.cpu_features.contains(f)).cloned().collect()
+        };
+        let (here, there) = (only(self, recorded), only(recorded, self));
+        if here.is_empty() && there.is_empty() {
+            return None;
+        }
+        let say = |v: &[String]| if v.is_empty() { "nothing extra".to_string() } else { v.join(", ") };
+        Some(format!("built for {} here, {} in the manifest", say(&here), say(&there)))
+    }
 }
 
 impl FileRecord {
@@ -37,7 +86,7 @@ impl FileRecord {
     pub fn of(role: &str, path: &Path, cwd: &Path) -> Result<FileRecord> {
         let full = if path.is_absolute() { path.to_path_buf() } else { cwd.join(path) };
         let size = std::fs::metadata(&full).with_context(|| format!("{}", full.display()))?.len();
-        let sha256 = crate::calibrate::metadata::sha256_file(&full).with_context(|| format!("hashing {}", full.display()))?;
+        let sha256 = super::sha256::sha256_file(&full).with_context(|| format!("hashing {}", full.display()))?;
         Ok(FileRecord { role: role.into(), path: path.to_path_buf(), size, sha256 })
     }
 
@@ -66,6 +115,7 @@ impl Manifest {
             "argv": self.argv,
             "inputs": self.inputs.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
             "outputs": self.outputs.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
+            "platform": self.platform.as_ref().map(Platform::to_json),
         })
     }
 
@@ -104,6 +154,7 @@ impl Manifest {
                 .collect::<Result<_>>()?,
             inputs: files("inputs")?,
             outputs: files("outputs")?,
+            platform: v.get("platform").filter(|p| p.is_object()).map(Platform::from_json),
         })
     }
 }
@@ -122,8 +173,25 @@ mod tests {
             argv: vec!["-m".into(), "m.gguf".into()],
             inputs: vec![FileRecord { role: "model".into(), path: "m.gguf".into(), size: 3, sha256: "00".into() }],
             outputs: vec![FileRecord { role: "imatrix".into(), path: "i.gguf".into(), size: 5, sha256: "11".into() }],
+            platform: Some(Platform { system_info: "CPU : AVX2 = 1 | ".into(), cpu_features: vec!["AVX2".into()], devices: vec!["CPU: x".into()] }),
         };
         assert_eq!(Manifest::from_json(&m.to_json()).unwrap(), m);
         assert!(Manifest::from_json(&json!({"format": "x"})).is_err());
+    }
+}
+
+#[cfg(test)]
+mod platform_tests {
+    use super::*;
+
+    #[test]
+    fn cpu_differences_name_both_sides() {
+        let p = |f: &[&str]| Platform { cpu_features: f.iter().map(|s| s.to_string()).collect(), ..Default::default() };
+        assert_eq!(p(&["AVX2", "FMA"]).cpu_difference(&p(&["FMA", "AVX2"])), None);
+        assert_eq!(
+            p(&["AVX2", "AVX512"]).cpu_difference(&p(&["AVX2"])).unwrap(),
+            "built for AVX512 here, nothing extra in the manifest"
+        );
+        assert_eq!(p(&["AVX2"]).cpu_difference(&p(&["AVX2", "AVX512", "AVX512_VNNI"])).unwrap(), "built for nothing extra here, AVX512, AVX512_VNNI in the manifest");
     }
 }

@@ -5,4 +5,5 @@ pub mod imatrix;
 pub mod imatrix_stats;
 pub mod manifest;
 pub mod saliency;
+pub mod sha256;
 pub mod trace;

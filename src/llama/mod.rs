@@ -9,6 +9,7 @@ pub mod eval_callback;
 pub mod log;
 pub mod model;
 pub mod sys;
+pub mod system;
 pub mod tensor;
 
 pub use batch::Batch;

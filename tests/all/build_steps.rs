@@ -102,3 +102,47 @@ fn fetch_reports_the_pinned_tree_it_built_against() {
     assert!(tree.join("tools/imatrix/imatrix.cpp").is_file());
     assert_eq!(reap_imatrix::llama::PIN_SHA256, sha);
 }
+
+/// `scripts/setup --check` against a fake file system root: the detection looks for what
+/// bindgen loads, so a new machine's `libclang-cpp.so.14` alone must read as libclang missing.
+#[test]
+fn setup_detects_libclang_by_what_bindgen_loads() {
+    let d = temp_dir("setup-root");
+    let touch = |rel: &str| {
+        let p = d.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, b"").unwrap();
+    };
+    let check = || {
+        let out = Command::new(repo().join("scripts/setup"))
+            .arg("--check")
+            .env("REAP_SETUP_ROOT", &d)
+            .env_remove("LIBCLANG_PATH")
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).lines().map(String::from).collect::<Vec<_>>())
+    };
+    // a new machine: libclang-cpp only, and no tools
+    touch("usr/lib/x86_64-linux-gnu/libclang-cpp.so.14");
+    touch("usr/lib/llvm-14/lib/libclang-cpp.so.14");
+    let (code, missing) = check();
+    assert_eq!(code, Some(1));
+    assert!(missing.contains(&"libclang-dev".to_string()), "{missing:?}");
+    assert!(missing.contains(&"cmake".to_string()), "{missing:?}");
+    // the library bindgen loads, but not clang's resource headers: still missing
+    touch("usr/lib/x86_64-linux-gnu/libclang-14.so.1");
+    assert!(check().1.contains(&"libclang-dev".to_string()));
+    // both, and the tools: nothing missing
+    touch("usr/lib/llvm-14/lib/clang/14.0.6/include/stddef.h");
+    for tool in ["cmake", "git", "python3", "c++", "make"] {
+        let p = d.join("usr/bin").join(tool);
+        touch(&format!("usr/bin/{tool}"));
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    assert_eq!(check(), (Some(0), vec![]));
+    // `libclang.so` in an llvm folder counts too
+    std::fs::remove_file(d.join("usr/lib/x86_64-linux-gnu/libclang-14.so.1")).unwrap();
+    assert_eq!(check().0, Some(1));
+    touch("usr/lib/llvm-14/lib/libclang.so");
+    assert_eq!(check().0, Some(0));
+}

@@ -312,7 +312,59 @@ fn show_statistics_prints_upstreams_tables() {
     let upstream: Vec<String> = from_table(&up.stderr).into_iter().map(strip).collect();
     let o = run_ok(Command::new(ours()).arg("-m").arg(&model).arg("--in-file").arg(&file).arg("--show-statistics"));
     assert!(upstream.len() > 10, "upstream printed no table: {}", String::from_utf8_lossy(&up.stderr));
-    assert_eq!(from_table(&o.stdout), upstream);
+    let ours_lines = from_table(&o.stdout);
+    let (ours_t, up_t) = (stats_table(&ours_lines), stats_table(&upstream));
+    // everything outside the per-tensor rows (headers, the per-layer table) line for line
+    assert_eq!(ours_t.other, up_t.other);
+    // the rows: the same tie groups in the same order, each group the same set of rows
+    // (upstream's order among rows with equal sort keys is unspecified)
+    assert_eq!(ours_t.groups.len(), up_t.groups.len());
+    for (a, b) in ours_t.groups.iter().zip(&up_t.groups) {
+        assert_eq!(a.0, b.0, "sort keys differ");
+        let (mut x, mut y) = (a.1.clone(), b.1.clone());
+        x.sort();
+        y.sort();
+        assert_eq!(x, y, "rows of tie group {:?} differ", a.0);
+    }
+    // ours among ties: by layer number, so the same file always prints the same table
+    for (_, rows) in &ours_t.groups {
+        let layers: Vec<i64> = rows.iter().map(|r| r.split('\t').next().unwrap().trim().parse().unwrap_or(-1)).collect();
+        assert!(layers.windows(2).all(|w| w[0] <= w[1]), "tie group not in layer order: {rows:?}");
+    }
+    assert!(ours_t.groups.iter().map(|g| g.1.len()).sum::<usize>() > 10);
+}
+
+/// `--show-statistics` output split into the per-tensor rows, grouped by their sort key
+/// (tensor kind, printed Σ(Act²)), and every other line.
+struct StatsTable {
+    other: Vec<String>,
+    groups: Vec<((String, String), Vec<String>)>,
+}
+
+fn stats_table(lines: &[String]) -> StatsTable {
+    let mut t = StatsTable { other: Vec::new(), groups: Vec::new() };
+    let mut in_rows = false;
+    for l in lines {
+        if l.starts_with("====") && t.groups.is_empty() && !in_rows {
+            in_rows = true;
+            t.other.push(l.clone());
+            continue;
+        }
+        if in_rows && l.trim().is_empty() {
+            in_rows = false;
+        }
+        if !in_rows {
+            t.other.push(l.clone());
+            continue;
+        }
+        let f: Vec<&str> = l.split('\t').collect();
+        let key = (f[1].trim().to_string(), f[2].trim().to_string());
+        match t.groups.last_mut() {
+            Some((k, rows)) if *k == key => rows.push(l.clone()),
+            _ => t.groups.push((key, vec![l.clone()])),
+        }
+    }
+    t
 }
 
 #[test]
@@ -327,4 +379,46 @@ fn llama_cpp_logs_are_quiet_by_default_and_shown_with_v() {
     let loud = go(&["-v"]);
     assert!(!quiet.contains("llama_model_loader"), "{quiet}");
     assert!(loud.contains("llama_model_loader"), "{loud}");
+}
+
+#[test]
+fn help_lists_every_subcommand() {
+    let o = run_ok(Command::new(ours()).arg("--help"));
+    let text = String::from_utf8_lossy(&o.stdout);
+    for sub in ["fixture", "check", "select", "replay", "reproduce"] {
+        assert!(text.lines().any(|l| l.trim_start().starts_with(sub) && l.len() > sub.len() + 8), "--help lacks {sub}:\n{text}");
+    }
+}
+
+/// Output paths are checked before the model is loaded: a typo costs a second, not a run.
+#[test]
+fn unwritable_outputs_fail_before_computing() {
+    let model = fixture("qwen3moe");
+    let d = temp_dir("unwritable");
+    let go = |extra: &[&str]| {
+        let o = run(Command::new(ours()).current_dir(&d).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "2", "--no-ppl"]).args(extra));
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    for (extra, says) in [
+        (vec!["-o", "missing/dir/imatrix.gguf"], "-o missing/dir/imatrix.gguf: the folder missing/dir does not exist"),
+        (vec!["--reap-out", "nope/r.json"], "--reap-out nope/r.json: the folder nope does not exist"),
+        (vec!["--trace-out", "nope/t.bin"], "--trace-out nope/t.bin"),
+        (vec!["--manifest-out", "nope/m.json"], "--manifest-out nope/m.json"),
+        (vec!["-o", "same.gguf", "--trace-out", "./same.gguf"], "name the same file"),
+    ] {
+        let (code, err) = go(&extra);
+        assert_eq!(code, Some(2), "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!err.contains("compute_imatrix"), "{extra:?} computed before failing: {err}");
+    }
+    // a read-only folder (root ignores permissions, so only where they apply)
+    let ro = d.join("ro");
+    std::fs::create_dir_all(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::os::unix::fs::PermissionsExt::from_mode(0o555)).unwrap();
+    if std::fs::write(ro.join("probe"), b"").is_err() {
+        let (code, err) = go(&["-o", "ro/imatrix.gguf"]);
+        assert_eq!(code, Some(2));
+        assert!(err.contains("cannot write in ro"), "{err}");
+    }
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 1, "something was written");
 }

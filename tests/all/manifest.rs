@@ -15,10 +15,32 @@ fn a_run_reproduces_byte_for_byte_and_changes_are_reported() {
     let m: serde_json::Value = serde_json::from_slice(&read(&d.join("i.manifest.json"))).unwrap();
     let roles: Vec<&str> = m["outputs"].as_array().unwrap().iter().map(|o| o["role"].as_str().unwrap()).collect();
     assert_eq!(roles, ["imatrix", "reap", "trace", "imatrix_at", "imatrix_at"]);
+    // what makes the numbers CPU-dependent is recorded
+    let platform = &m["platform"];
+    assert!(platform["system_info"].as_str().unwrap().contains("CPU"), "{platform}");
+    assert!(!platform["cpu_features"].as_array().unwrap().is_empty(), "{platform}");
+    assert!(platform["devices"].as_array().unwrap().iter().any(|d| d.as_str().unwrap().starts_with("CPU")), "{platform}");
     let out = run(Command::new(ours()).args(["reproduce"]).arg(d.join("i.manifest.json")));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(text.matches(": identical").count(), 5, "{text}");
+    assert!(!text.contains("outputs may differ"), "{text}");
+
+    // recorded on a CPU with other features: said up front, before any byte is compared
+    let mut other = m.clone();
+    let mut feats: Vec<serde_json::Value> = other["platform"]["cpu_features"].as_array().unwrap().clone();
+    feats.retain(|f| f != "AVX512");
+    feats.push("AVX512".into());
+    if m["platform"]["cpu_features"].as_array().unwrap().iter().any(|f| f == "AVX512") {
+        feats.retain(|f| f != "AVX512");
+    }
+    other["platform"]["cpu_features"] = feats.into();
+    std::fs::write(d.join("other-cpu.manifest.json"), serde_json::to_vec(&other).unwrap()).unwrap();
+    let out = run(Command::new(ours()).args(["reproduce"]).arg(d.join("other-cpu.manifest.json")));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let warn = text.lines().position(|l| l.contains("warning: outputs may differ: built for")).unwrap_or_else(|| panic!("{text}"));
+    assert!(text.contains("AVX512"), "{text}");
+    assert!(warn < text.lines().position(|l| l.contains("output ")).unwrap(), "{text}");
 
     // a recorded output that does not match what the run gives
     let mut bad = m.clone();

@@ -14,7 +14,7 @@ pub mod synthetic;
 mod tests;
 
 use crate::analyze::select::keep_map::{sha256_hex, KeepMap};
-use crate::cli::UsageError;
+use crate::error::UsageError;
 use crate::formats::atomic;
 use crate::formats::trace::TraceReader;
 use anyhow::{anyhow, Result};

@@ -5,7 +5,7 @@ pub mod keep_map;
 pub mod score;
 pub mod screen;
 
-use crate::cli::UsageError;
+use crate::error::UsageError;
 use crate::formats::atomic;
 use crate::formats::saliency::Saliency;
 use crate::formats::trace::TraceReader;
