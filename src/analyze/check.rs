@@ -4,7 +4,7 @@
 
 use crate::error::UsageError;
 use crate::formats::imatrix as imatrix_file;
-use crate::formats::saliency::{LayerSums, ReferenceSums, Saliency};
+use crate::formats::saliency::{AppliedGate, LayerSums, ReferenceSums, Saliency};
 use crate::formats::trace::{TraceReader, FLAG_NORMALISED};
 use anyhow::Result;
 use std::path::PathBuf;
@@ -67,15 +67,10 @@ impl Gating {
     /// From the saliency JSON's `metadata.routing`. Files without `probs_op` are taken as
     /// softmax-gated under normalised gating (what the normalisation presupposes).
     pub fn from_metadata(s: &Saliency) -> Gating {
-        let routing = s.metadata.get("routing");
-        let get = |k: &str| routing.and_then(|r| r.get(k));
-        let normalised = get("normalised").and_then(|v| v.as_bool());
-        let softmax = match get("probs_op").and_then(|v| v.as_str()) {
-            Some(op) => op == "SOFT_MAX",
-            None => normalised == Some(true),
-        };
-        let weights_node = get("weights_node").and_then(|v| v.as_str()).unwrap_or("");
-        let gate_is_p = softmax && crate::collect::reap::layer_of(weights_node, "ffn_moe_weights").is_some();
+        let routing = s.routing();
+        let normalised = routing.normalised;
+        let softmax = routing.softmax().unwrap_or(normalised == Some(true));
+        let gate_is_p = softmax && routing.applied_gate() == Some(AppliedGate::Probability);
         Gating { normalised, softmax, gate_is_p }
     }
 }

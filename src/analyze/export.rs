@@ -12,7 +12,7 @@
 
 use crate::error::UsageError;
 use crate::formats::atomic;
-use crate::formats::saliency::{LayerSums, Saliency};
+use crate::formats::saliency::{AppliedGate, LayerSums, Saliency};
 use anyhow::{anyhow, Result};
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
@@ -62,29 +62,27 @@ pub struct Weighting {
 
 /// Decides the weighting, or says why the file cannot give the reference's numbers.
 pub fn weighting(s: &Saliency, renormalize: bool) -> std::result::Result<Weighting, String> {
-    let routing = s.metadata.get("routing");
-    let get = |k: &str| routing.and_then(|r| r.get(k)).and_then(Value::as_str);
+    let routing = s.routing();
     // the reference always takes a softmax over the router logits
-    if let Some(op) = get("probs_op") {
-        if op != "SOFT_MAX" {
-            return Err(format!("the model's router probabilities come from {op}, not a softmax: the reference's weights cannot be derived"));
-        }
+    if routing.softmax() == Some(false) {
+        return Err(format!(
+            "the model's router probabilities come from {}, not a softmax: the reference's weights cannot be derived",
+            routing.probs_op.as_deref().unwrap_or("?")
+        ));
     }
     if !renormalize {
         return Ok(Weighting { applied_gate: false, renormalize_router_weights: false });
     }
-    let node = get("weights_node").unwrap_or("");
-    let normalised = crate::collect::reap::layer_of(node, "ffn_moe_weights_norm").is_some();
-    let raw = crate::collect::reap::layer_of(node, "ffn_moe_weights").is_some();
-    if !normalised && !raw {
+    match routing.applied_gate() {
+        Some(AppliedGate::Normalised) => Ok(Weighting { applied_gate: true, renormalize_router_weights: true }),
+        // the model does not normalise: its gate is p itself, the reference ignores the flag
+        Some(AppliedGate::Probability) => Ok(Weighting { applied_gate: true, renormalize_router_weights: false }),
         // e.g. ffn_moe_weights_scaled: g carries a scale the reference's renormalised weight has not
-        return Err(format!(
+        _ => Err(format!(
             "--renormalize: the gate the model applies ({}) is not the plain top-k-normalised softmax, so the reference's renormalised weight cannot be derived from it",
-            if node.is_empty() { "unknown: no metadata.routing.weights_node" } else { node }
-        ));
+            routing.weights_node.as_deref().unwrap_or("unknown: no metadata.routing.weights_node")
+        )),
     }
-    // where the model does not normalise, the applied gate is p itself: the same numbers
-    Ok(Weighting { applied_gate: true, renormalize_router_weights: normalised })
 }
 
 /// One layer's observer state.
@@ -163,7 +161,7 @@ mod tests {
 
     #[test]
     fn the_observer_state_by_hand() {
-        let s = saliency("ffn_moe_weights_norm-0", "SOFT_MAX");
+        let s = saliency("ffn_moe_weights_norm-0 (reshaped)", "SOFT_MAX");
         let w = weighting(&s, false).unwrap();
         let v = cerebras_reap(&s, w);
         assert_eq!(v["renormalize_router_weights"], false);

@@ -67,6 +67,45 @@ impl LayerSums {
     }
 }
 
+/// What `metadata.routing` records about the gate weights (None where absent, as in older
+/// files).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Routing {
+    /// the op of `ffn_moe_probs`: `SOFT_MAX` for a softmax router
+    pub probs_op: Option<String>,
+    /// the node the applied gates came from, e.g. `ffn_moe_weights_norm-0 (reshaped)`
+    pub weights_node: Option<String>,
+    pub normalised: Option<bool>,
+}
+
+/// Which weight the model multiplies an expert's output by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AppliedGate {
+    /// `ffn_moe_weights-N`: the router probability p itself
+    Probability,
+    /// `ffn_moe_weights_norm-N`: p / Σ over the token's picks of p
+    Normalised,
+    /// anything else (scaled, biased, another gating)
+    Other,
+}
+
+impl Routing {
+    pub fn softmax(&self) -> Option<bool> {
+        self.probs_op.as_deref().map(|op| op == "SOFT_MAX")
+    }
+
+    pub fn applied_gate(&self) -> Option<AppliedGate> {
+        // a node name, `-` and the block index, then ggml's view suffixes such as " (reshaped)"
+        let name = self.weights_node.as_deref()?.split(' ').next()?;
+        let base = name.rsplit_once('-').map_or(name, |(b, _)| b);
+        Some(match base {
+            "ffn_moe_weights" => AppliedGate::Probability,
+            "ffn_moe_weights_norm" => AppliedGate::Normalised,
+            _ => AppliedGate::Other,
+        })
+    }
+}
+
 /// The whole file.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Saliency {
@@ -79,6 +118,16 @@ pub struct Saliency {
 }
 
 impl Saliency {
+    pub fn routing(&self) -> Routing {
+        let r = self.metadata.get("routing");
+        let str_of = |k: &str| r.and_then(|r| r.get(k)).and_then(Value::as_str).map(String::from);
+        Routing {
+            probs_op: str_of("probs_op"),
+            weights_node: str_of("weights_node"),
+            normalised: r.and_then(|r| r.get("normalised")).and_then(Value::as_bool),
+        }
+    }
+
     pub fn to_json(&self) -> Value {
         let layers: Vec<Value> = self
             .layers
@@ -247,6 +296,15 @@ mod tests {
         v["layers"][0]["reap_softmax_l2_sum"] = json!([0.0, 0.0]);
         let e = Saliency::from_json(&v).unwrap_err();
         assert!(format!("{e:#}").contains("max_activation"), "{e:#}");
+    }
+
+    #[test]
+    fn the_applied_gate_is_named_by_its_node() {
+        let gate = |n: &str| Routing { weights_node: Some(n.into()), ..Default::default() }.applied_gate();
+        assert_eq!(gate("ffn_moe_weights-3"), Some(AppliedGate::Probability));
+        assert_eq!(gate("ffn_moe_weights_norm-0 (reshaped)"), Some(AppliedGate::Normalised));
+        assert_eq!(gate("ffn_moe_weights_scaled-0"), Some(AppliedGate::Other));
+        assert_eq!(Routing::default().applied_gate(), None);
     }
 
     #[test]
