@@ -62,6 +62,8 @@ enum Command {
     Replay(crate::analyze::replay::ReplayArgs),
     /// Re-run a recorded run (its manifest) and report whether every output is byte-identical.
     Reproduce(crate::analyze::reproduce::ReproduceArgs),
+    /// Write a saliency JSON in another tool's terms (CerebrasResearch/reap's observer state).
+    Export(crate::analyze::export::ExportArgs),
 }
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
@@ -83,6 +85,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Select(args) => crate::analyze::select::run(&args),
         Command::Replay(args) => crate::analyze::replay::run(&args),
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
+        Command::Export(args) => crate::analyze::export::run(&args),
     }
 }
 
