@@ -109,7 +109,7 @@ pub fn write_gguf(path: &Path, m: &Imatrix, prompt_file: &str, chunk_size: i32) 
                 bail!("could not write {}", tmp.display());
             }
         }
-        Ok(())
+        super::gguf_header::check_written(tmp)
     })
     .with_context(|| format!("writing imatrix {}", path.display()))
 }

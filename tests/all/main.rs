@@ -1,7 +1,9 @@
 //! All integration tests, in one binary (one link, shared fixtures).
 
+mod bad_input;
 mod build_steps;
 mod drop_in;
+mod faults;
 mod fixture;
 mod manifest;
 mod replay;
