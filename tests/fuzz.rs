@@ -98,7 +98,7 @@ impl Seeds {
         std::fs::read(self.dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
     }
     fn keep_map(&self) -> Vec<u8> {
-        let p = std::fs::read_dir(self.dir.join("maps")).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "json")).unwrap();
+        let p = std::fs::read_dir(self.dir.join("maps")).unwrap().map(|e| e.unwrap().path()).find(|p| p.file_name().unwrap().to_string_lossy().starts_with("keep_")).unwrap();
         std::fs::read(p).unwrap()
     }
 }
@@ -122,8 +122,14 @@ impl Mutator {
             let len = b.len().max(1);
             let at = if self.below(2) == 0 { self.below(hot.min(len)) } else { self.below(len) };
             match self.below(8) {
-                0 if !b.is_empty() => b[at.min(b.len() - 1)] ^= 1 << self.below(8),
-                1 if !b.is_empty() => b[at.min(b.len() - 1)] = INTERESTING[self.below(INTERESTING.len())] as u8,
+                0 if !b.is_empty() => {
+                    let (i, bit) = (at.min(b.len() - 1), self.below(8));
+                    b[i] ^= 1 << bit;
+                }
+                1 if !b.is_empty() => {
+                    let (i, v) = (at.min(b.len() - 1), INTERESTING[self.below(INTERESTING.len())] as u8);
+                    b[i] = v;
+                }
                 2 | 3 => {
                     // a 4- or 8-byte little-endian field
                     let v = INTERESTING[self.below(INTERESTING.len())].wrapping_add(self.below(3) as u64).wrapping_sub(1);
@@ -327,7 +333,7 @@ fn json_input(m: &mut Mutator, text: &[u8], value: &Value) -> Vec<u8> {
 fn saliency_reader() {
     let text = Seeds::get().bytes("i.reap.json");
     let value: Value = serde_json::from_slice(&text).unwrap();
-    fuzz("saliency", 3_000 * scale(), |m| json_input(m, &text, &value), |b| {
+    fuzz("saliency", 20_000 * scale(), |m| json_input(m, &text, &value), |b| {
         let Ok(s) = serde_json::from_slice::<Value>(b).map_err(anyhow::Error::from).and_then(|v| Saliency::from_json(&v)) else { return false };
         std::hint::black_box(s.value_problem());
         let mut rep = reap_imatrix::analyze::check::Report::default();
@@ -376,10 +382,10 @@ fn imatrix_target(name: &str, seed_file: &str, iters: usize) {
 
 #[test]
 fn imatrix_legacy_reader() {
-    imatrix_target("imatrix_dat", "i.dat", 5_000);
+    imatrix_target("imatrix_dat", "i.dat", 3_000);
 }
 
 #[test]
 fn imatrix_gguf_reader() {
-    imatrix_target("imatrix_gguf", "i.gguf", 3_000);
+    imatrix_target("imatrix_gguf", "i.gguf", 2_000);
 }

@@ -152,22 +152,30 @@ unsafe fn data_end(g: *mut sys::gguf_context) -> u64 {
 /// data. `gguf_write_to_file` ignores the result of its final `fclose`, so a disk that fills
 /// during the last buffered write would otherwise leave a short file that looks written.
 pub fn check_written(path: &Path) -> Result<()> {
-    let len = std::fs::metadata(path).map_err(|e| anyhow!("{}: {e}", path.display()))?.len();
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| anyhow!("{}: NUL in path", path.display()))?;
+    check_complete(path).map_err(|e| anyhow!("{}: written incompletely ({e}; disk full?)", path.display()))
+}
+
+/// Checks, reading the header only, that a GGUF file holds all the tensor data its header
+/// describes. Run before `gguf_init_from_file` with data: ggml allocates what the header says,
+/// so a damaged size field would otherwise ask for gigabytes and abort the process.
+pub fn check_complete(path: &Path) -> std::result::Result<(), String> {
+    let len = std::fs::metadata(path).map_err(|e| e.to_string())?.len();
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| "NUL in path".to_string())?;
     // SAFETY: valid C string; metadata only; freed below.
     unsafe {
         let g = sys::gguf_init_from_file(c.as_ptr(), sys::gguf_init_params { no_alloc: true, ctx: std::ptr::null_mut() });
         if g.is_null() {
-            return Err(anyhow!("{}: written incompletely (its header does not read back; disk full?)", path.display()));
+            return Err("the GGUF header does not read".into());
         }
         let end = data_end(g);
         sys::gguf_free(g);
         if end > len {
-            return Err(anyhow!("{}: written incompletely ({len} of {end} bytes; disk full?)", path.display()));
+            return Err(format!("the header describes {end} bytes, the file has {len}"));
         }
     }
     Ok(())
 }
+
 
 #[cfg(test)]
 mod tests {

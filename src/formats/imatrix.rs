@@ -166,6 +166,8 @@ pub fn load(path: &Path) -> Result<Loaded> {
 }
 
 fn load_gguf(path: &Path) -> Result<Loaded> {
+    // the sizes in the header are checked against the file before ggml allocates them
+    super::gguf_header::check_complete(path).map_err(|e| anyhow::anyhow!("imatrix file {}: not a readable GGUF file ({e})", path.display()))?;
     let fname = cstr(&path.to_string_lossy())?;
     let mut out = Loaded::default();
     // SAFETY: gguf reads into a ggml context it allocates; both are freed before returning and

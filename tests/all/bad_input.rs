@@ -192,7 +192,7 @@ impl Run {
         read(&self.dir.join(name))
     }
     fn keep_map(&self) -> serde_json::Value {
-        let p = std::fs::read_dir(self.dir.join("maps")).unwrap().map(|e| e.unwrap().path()).find(|p| p.extension().is_some_and(|e| e == "json")).unwrap();
+        let p = std::fs::read_dir(self.dir.join("maps")).unwrap().map(|e| e.unwrap().path()).find(|p| p.file_name().unwrap().to_string_lossy().starts_with("keep_")).unwrap();
         serde_json::from_slice(&read(&p)).unwrap()
     }
     fn tool(&self, args: &[&str]) -> Output {
