@@ -153,19 +153,29 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
         if t.header_count_missing {
             rep.notes.push(format!("trace {}: header says 0 rows; read the {} rows present", p.display(), t.n_rows));
         }
+        // the trace is appended between checkpoints, so after a kill (or with the JSON of an
+        // earlier checkpoint) it may hold more rows than the JSON counted, never fewer
         rep.check(
-            t.n_rows == s.trace_tokens_written,
-            format!("trace rows {} = trace_tokens_written {}", t.n_rows, s.trace_tokens_written),
+            t.n_rows >= s.trace_tokens_written,
+            format!("trace rows {} ≥ trace_tokens_written {}", t.n_rows, s.trace_tokens_written),
         );
+        if t.n_rows > s.trace_tokens_written {
+            rep.notes.push(format!(
+                "trace holds {} rows, {} more than this JSON's checkpoint counted (the run went on after it, or was stopped): its first {} rows are compared",
+                t.n_rows,
+                t.n_rows - s.trace_tokens_written,
+                s.trace_tokens_written
+            ));
+        }
         let layers_match = t.header.layers == s.layers.iter().map(|l| l.layer).collect::<Vec<_>>();
         rep.check(layers_match, format!("trace layers {:?} are the JSON's MoE layers", t.header.layers));
         if let Some(n) = normalised {
             rep.check((t.header.flags & FLAG_NORMALISED != 0) == n, "trace and JSON agree on normalised gating");
         }
-        if layers_match && t.n_rows == s.tokens && s.nonfinite_drops == 0 {
+        if layers_match && s.trace_tokens_written == s.tokens && t.n_rows >= s.tokens && s.nonfinite_drops == 0 {
             let k = t.header.k as usize;
             let mut counts: Vec<Vec<u64>> = s.layers.iter().map(|l| vec![0; l.n_expert]).collect();
-            for r in t.rows() {
+            for r in t.rows().take(s.tokens as usize) {
                 for (li, c) in counts.iter_mut().enumerate() {
                     for &e in &r.sel_ids(li)[..k] {
                         if let Some(x) = c.get_mut(e as usize) {

@@ -311,8 +311,10 @@ impl Outputs<'_> {
         s
     }
 
-    /// Hands everything the observer queued to the writer.
+    /// Hands everything the observer queued to the writer: trace rows first, so that (the
+    /// writer being FIFO) every row a checkpoint's JSON counts is on disk before that JSON.
     fn flush(&mut self, ctx: &mut Context<'_, CalibrationObserver>) {
+        self.flush_trace(ctx);
         let checkpoints: Vec<Checkpoint> = ctx.observer_mut().checkpoints.drain(..).collect();
         for c in checkpoints {
             let job = self.plan.job(c.imatrix);
@@ -329,6 +331,9 @@ impl Outputs<'_> {
                 }
             }
         }
+    }
+
+    fn flush_trace(&mut self, ctx: &mut Context<'_, CalibrationObserver>) {
         let Some(trace_path) = self.plan.args.trace_out.clone() else { return };
         let obs = ctx.observer_mut();
         let Some(r) = obs.reap.as_mut() else { return };

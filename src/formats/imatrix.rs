@@ -103,10 +103,12 @@ pub fn write_gguf(path: &Path, m: &Imatrix, prompt_file: &str, chunk_size: i32) 
                 sys::gguf_add_tensor(g, counts);
             }
             let ok = sys::gguf_write_to_file(g, fname.as_ptr(), false);
+            // errno of the failed fwrite/fopen (ENOSPC on a full disk), before anything else runs
+            let why = std::io::Error::last_os_error();
             sys::gguf_free(g);
             sys::ggml_free(ctx);
             if !ok {
-                bail!("could not write {}", tmp.display());
+                bail!("could not write {}: {why}", tmp.display());
             }
         }
         super::gguf_header::check_written(tmp)
