@@ -77,14 +77,7 @@ fn check_layer(l: &LayerSums, tokens: u64, normalised: Option<bool>, top: usize,
         let sp: f64 = l.prob_sum.iter().sum();
         rep.check(close(sp, l.tokens as f64, 1e-5), format!("{id}: Σprob_sum = {sp:.6} = tokens {} (normalised gating)", l.tokens));
     }
-    let arrays = [
-        ("prob_sum", &l.prob_sum),
-        ("reap_l2_sum", &l.reap_l2_sum),
-        ("reap_l2_sq_sum", &l.reap_l2_sq_sum),
-        ("ean_sum", &l.ean_sum),
-        ("router_prob_sum", &l.router_prob_sum),
-        ("max_l2", &l.max_l2),
-    ];
+    let arrays = l.float_arrays();
     let nonfinite: Vec<&str> = arrays.iter().filter(|(_, v)| v.iter().any(|x| !x.is_finite())).map(|(n, _)| *n).collect();
     rep.check(nonfinite.is_empty(), format!("{id}: all values finite{}", if nonfinite.is_empty() { String::new() } else { format!(" (not: {})", nonfinite.join(", ")) }));
     let negative: Vec<&str> = arrays.iter().filter(|(_, v)| v.iter().any(|x| *x < 0.0)).map(|(n, _)| *n).collect();

@@ -27,6 +27,18 @@ pub struct LayerSums {
 }
 
 impl LayerSums {
+    /// The per-expert float arrays with their JSON names.
+    pub fn float_arrays(&self) -> [(&'static str, &Vec<f64>); 6] {
+        [
+            ("prob_sum", &self.prob_sum),
+            ("reap_l2_sum", &self.reap_l2_sum),
+            ("reap_l2_sq_sum", &self.reap_l2_sq_sum),
+            ("ean_sum", &self.ean_sum),
+            ("router_prob_sum", &self.router_prob_sum),
+            ("max_l2", &self.max_l2),
+        ]
+    }
+
     pub fn new(layer: u32, n_expert: usize, n_expert_used: usize) -> Self {
         let z = vec![0.0; n_expert];
         LayerSums {
@@ -109,15 +121,7 @@ impl Saliency {
     /// failed invariants; tools that compute from the sums (select, prune) refuse the file.
     pub fn value_problem(&self) -> Option<String> {
         for l in &self.layers {
-            let arrays = [
-                ("prob_sum", &l.prob_sum),
-                ("reap_l2_sum", &l.reap_l2_sum),
-                ("reap_l2_sq_sum", &l.reap_l2_sq_sum),
-                ("ean_sum", &l.ean_sum),
-                ("router_prob_sum", &l.router_prob_sum),
-                ("max_l2", &l.max_l2),
-            ];
-            for (name, a) in arrays {
+            for (name, a) in l.float_arrays() {
                 if let Some((e, x)) = a.iter().enumerate().find(|(_, x)| !(x.is_finite() && **x >= 0.0)) {
                     return Some(format!("layer {}: \"{name}\"[{e}] is {x}; sums are finite and non-negative", l.layer));
                 }
