@@ -24,6 +24,9 @@ pub enum Job {
     TraceCreate { path: PathBuf, header: TraceHeader },
     /// appends encoded rows and rewrites the header; the buffer comes back for reuse
     TraceRows { rows: Vec<u8>, n: u64 },
+    /// makes the writer thread panic (tests of a dead writer)
+    #[cfg(test)]
+    Panic,
 }
 
 pub struct Writer {
@@ -99,7 +102,10 @@ impl Writer {
         self.tx.take();
         match self.handle.take().map(|h| h.join()) {
             Some(Ok(r)) => r,
-            Some(Err(p)) => std::panic::resume_unwind(p),
+            Some(Err(p)) => {
+                let why = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+                Err(anyhow::anyhow!("the writer thread panicked: {why}"))
+            }
             None => Ok(()),
         }
     }
@@ -134,6 +140,8 @@ fn run_job(job: Job, trace: &mut Option<TraceFile>, back: &Sender<Vec<u8>>) -> R
             let _ = back.try_send(rows);
             r
         }
+        #[cfg(test)]
+        Job::Panic => panic!("injected writer panic"),
     }
 }
 
@@ -167,5 +175,22 @@ mod tests {
         assert!(format!("{e:#}").contains("no-such-folder"), "{e:#}");
         assert!(!later.exists());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A writer thread that dies: sends return at once, the compute side sees the failure,
+    /// and finish() returns an error instead of hanging or re-raising the panic.
+    #[test]
+    fn a_dead_writer_never_blocks_the_sender() {
+        let w = Writer::spawn();
+        w.send(Job::Panic);
+        let t0 = std::time::Instant::now();
+        // far more than the channel holds: each send fails fast once the thread is gone
+        while w.failure().is_none() {
+            w.send(Job::TraceRows { rows: Vec::new(), n: 0 });
+            assert!(t0.elapsed().as_secs() < 10, "blocked or never noticed");
+        }
+        assert!(w.failure().unwrap().to_string().contains("ended unexpectedly"));
+        let e = w.finish().unwrap_err();
+        assert!(format!("{e:#}").contains("injected writer panic"), "{e:#}");
     }
 }
