@@ -104,18 +104,7 @@ fn check_layer(l: &LayerSums, tokens: u64, gating: Gating, top: usize, rep: &mut
         let sp: f64 = l.prob_sum.iter().sum();
         rep.check(close(sp, l.tokens as f64, 1e-5), format!("{id}: Σprob_sum = {sp:.6} = tokens {} (normalised gating)", l.tokens));
     }
-    let mut arrays = vec![
-        ("prob_sum", &l.prob_sum),
-        ("reap_l2_sum", &l.reap_l2_sum),
-        ("reap_l2_sq_sum", &l.reap_l2_sq_sum),
-        ("ean_sum", &l.ean_sum),
-        ("router_prob_sum", &l.router_prob_sum),
-        ("max_l2", &l.max_l2),
-    ];
-    if let Some(r) = &l.reference {
-        arrays.push(("reap_softmax_l2_sum", &r.reap_softmax_l2_sum));
-        arrays.push(("reap_softmax_l2_sq_sum", &r.reap_softmax_l2_sq_sum));
-    }
+    let arrays = l.float_arrays();
     let nonfinite: Vec<&str> = arrays.iter().filter(|(_, v)| v.iter().any(|x| !x.is_finite())).map(|(n, _)| *n).collect();
     rep.check(nonfinite.is_empty(), format!("{id}: all values finite{}", if nonfinite.is_empty() { String::new() } else { format!(" (not: {})", nonfinite.join(", ")) }));
     let negative: Vec<&str> = arrays.iter().filter(|(_, v)| v.iter().any(|x| *x < 0.0)).map(|(n, _)| *n).collect();
@@ -211,7 +200,20 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
 
     if let Some(p) = &args.imatrix {
         let im = imatrix_file::load(p).map_err(|e| UsageError(format!("{e:#}")))?;
-        for l in &s.layers {
+        let im_tokens = im.chunk_count as i64 * im.chunk_size as i64;
+        // a run killed between writing its imatrix and its JSON leaves them one checkpoint
+        // apart: both are complete, but they count different tokens
+        let same_point = im.is_legacy || im.chunk_size <= 0 || im_tokens == s.tokens as i64;
+        if !same_point {
+            rep.notes.push(format!(
+                "imatrix {} covers {} chunks × {} = {im_tokens} tokens, the JSON {} tokens (checkpoints of different moments): counts not compared",
+                p.display(),
+                im.chunk_count,
+                im.chunk_size,
+                s.tokens
+            ));
+        }
+        for l in s.layers.iter().filter(|_| same_point) {
             let name = format!("blk.{}.ffn_down_exps.weight", l.layer);
             match im.entries.get(&name) {
                 None => rep.check(false, format!("layer {}: imatrix {} has no {name}", l.layer, p.display())),
@@ -228,19 +230,29 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
         if t.header_count_missing {
             rep.notes.push(format!("trace {}: header says 0 rows; read the {} rows present", p.display(), t.n_rows));
         }
+        // the trace is appended between checkpoints, so after a kill (or with the JSON of an
+        // earlier checkpoint) it may hold more rows than the JSON counted, never fewer
         rep.check(
-            t.n_rows == s.trace_tokens_written,
-            format!("trace rows {} = trace_tokens_written {}", t.n_rows, s.trace_tokens_written),
+            t.n_rows >= s.trace_tokens_written,
+            format!("trace rows {} ≥ trace_tokens_written {}", t.n_rows, s.trace_tokens_written),
         );
+        if t.n_rows > s.trace_tokens_written {
+            rep.notes.push(format!(
+                "trace holds {} rows, {} more than this JSON's checkpoint counted (the run went on after it, or was stopped): its first {} rows are compared",
+                t.n_rows,
+                t.n_rows - s.trace_tokens_written,
+                s.trace_tokens_written
+            ));
+        }
         let layers_match = t.header.layers == s.layers.iter().map(|l| l.layer).collect::<Vec<_>>();
         rep.check(layers_match, format!("trace layers {:?} are the JSON's MoE layers", t.header.layers));
         if let Some(n) = normalised {
             rep.check((t.header.flags & FLAG_NORMALISED != 0) == n, "trace and JSON agree on normalised gating");
         }
-        if layers_match && t.n_rows == s.tokens && s.nonfinite_drops == 0 {
+        if layers_match && s.trace_tokens_written == s.tokens && t.n_rows >= s.tokens && s.nonfinite_drops == 0 {
             let k = t.header.k as usize;
             let mut counts: Vec<Vec<u64>> = s.layers.iter().map(|l| vec![0; l.n_expert]).collect();
-            for r in t.rows() {
+            for r in t.rows().take(s.tokens as usize) {
                 for (li, c) in counts.iter_mut().enumerate() {
                     for &e in &r.sel_ids(li)[..k] {
                         if let Some(x) = c.get_mut(e as usize) {

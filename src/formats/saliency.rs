@@ -48,6 +48,24 @@ impl ReferenceSums {
 }
 
 impl LayerSums {
+    /// The per-expert float arrays with their JSON names (the reference's softmax-weighted
+    /// sums too, where the file has them).
+    pub fn float_arrays(&self) -> Vec<(&'static str, &Vec<f64>)> {
+        let mut v = vec![
+            ("prob_sum", &self.prob_sum),
+            ("reap_l2_sum", &self.reap_l2_sum),
+            ("reap_l2_sq_sum", &self.reap_l2_sq_sum),
+            ("ean_sum", &self.ean_sum),
+            ("router_prob_sum", &self.router_prob_sum),
+            ("max_l2", &self.max_l2),
+        ];
+        if let Some(r) = &self.reference {
+            v.push(("reap_softmax_l2_sum", &r.reap_softmax_l2_sum));
+            v.push(("reap_softmax_l2_sq_sum", &r.reap_softmax_l2_sq_sum));
+        }
+        v
+    }
+
     pub fn new(layer: u32, n_expert: usize, n_expert_used: usize) -> Self {
         let z = vec![0.0; n_expert];
         LayerSums {
@@ -185,6 +203,20 @@ impl Saliency {
         Self::from_json(&v).with_context(|| format!("saliency file {}", path.display()))
     }
 
+    /// The first value no run can produce: a negative or non-finite sum (JSON cannot spell NaN,
+    /// but a hand-edited or foreign file can hold -1 or 1e308·10). `check` reports these as
+    /// failed invariants; tools that compute from the sums (select, prune) refuse the file.
+    pub fn value_problem(&self) -> Option<String> {
+        for l in &self.layers {
+            for (name, a) in l.float_arrays() {
+                if let Some((e, x)) = a.iter().enumerate().find(|(_, x)| !(x.is_finite() && **x >= 0.0)) {
+                    return Some(format!("layer {}: \"{name}\"[{e}] is {x}; sums are finite and non-negative", l.layer));
+                }
+            }
+        }
+        None
+    }
+
     pub fn from_json(v: &Value) -> Result<Saliency> {
         if v.get("format").and_then(Value::as_str) != Some(FORMAT) {
             bail!("\"format\" is not \"{FORMAT}\"");
@@ -239,7 +271,7 @@ fn layer_from_json(l: &Value) -> Result<LayerSums> {
         if a.len() != n_expert {
             bail!("\"count\" has {} values, n_expert is {n_expert}", a.len());
         }
-        a.iter().map(|x| x.as_u64().context("\"count\" holds a non-integer")).collect::<Result<Vec<u64>>>()?
+        a.iter().map(|x| x.as_u64().with_context(|| format!("\"count\" holds {x}, not a non-negative integer"))).collect::<Result<Vec<u64>>>()?
     };
     Ok(LayerSums {
         layer: u("layer")? as u32,

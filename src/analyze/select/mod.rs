@@ -126,6 +126,9 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
     if sal.layers.is_empty() {
         return Err(usage(format!("--reap {}: no MoE layers", args.reap.display())));
     }
+    if let Some(why) = sal.value_problem() {
+        return Err(usage(format!("--reap {}: {why}", args.reap.display())));
+    }
     let mut methods: Vec<Method> = Vec::new();
     for m in &args.methods {
         if !methods.contains(m) {
