@@ -17,7 +17,8 @@ pub enum ImatrixFormat {
 }
 
 pub enum Job {
-    Imatrix { path: PathBuf, state: Box<Imatrix>, format: ImatrixFormat, prompt_file: String, chunk_size: i32 },
+    /// `progress_at`: a rolling checkpoint of that many chunks, for the progress line once written
+    Imatrix { path: PathBuf, state: Box<Imatrix>, format: ImatrixFormat, prompt_file: String, chunk_size: i32, progress_at: Option<u64> },
     Saliency { path: PathBuf, saliency: Box<Saliency> },
     /// starts the trace file (header with 0 rows)
     TraceCreate { path: PathBuf, header: TraceHeader },
@@ -87,10 +88,16 @@ impl Drop for Writer {
 
 fn run_job(job: Job, trace: &mut Option<TraceFile>, back: &Sender<Vec<u8>>) -> Result<()> {
     match job {
-        Job::Imatrix { path, state, format, prompt_file, chunk_size } => match format {
-            ImatrixFormat::Gguf => imatrix_file::write_gguf(&path, &state, &prompt_file, chunk_size),
-            ImatrixFormat::Dat => imatrix_file::write_dat(&path, &state, &prompt_file, chunk_size),
-        },
+        Job::Imatrix { path, state, format, prompt_file, chunk_size, progress_at } => {
+            match format {
+                ImatrixFormat::Gguf => imatrix_file::write_gguf(&path, &state, &prompt_file, chunk_size),
+                ImatrixFormat::Dat => imatrix_file::write_dat(&path, &state, &prompt_file, chunk_size),
+            }?;
+            if let Some(at) = progress_at {
+                crate::progress::note(at);
+            }
+            Ok(())
+        }
         Job::Saliency { path, saliency } => saliency.write(&path),
         Job::TraceCreate { path, header } => {
             *trace = Some(TraceFile::create(&path, header)?);
