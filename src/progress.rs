@@ -24,10 +24,11 @@
 //!
 //! - Live (auto with stderr a terminal, or always): one line redrawn in place (`\r`, text,
 //!   erase to the end of the line), four times a second, cut to the terminal's width. It first
-//!   appears after about two seconds, so short commands print nothing. Other stderr output
-//!   erases it, prints, and redraws it below. It ends with a newline (final figures, and why it
-//!   stopped when it did not finish), so no half-drawn line is left; a process killed by a
-//!   signal while it is shown gets the newline from the signal handler (`interrupt`).
+//!   appears after about two seconds (`REAP_PROGRESS_DELAY_MS` changes that, for tests), so
+//!   short commands print nothing. Other stderr output erases it, prints, and redraws it
+//!   below. It ends with a newline (final figures, and why it stopped when it did not finish),
+//!   so no half-drawn line is left; a process killed by a signal while it is shown gets the
+//!   newline from the signal handler (`interrupt`).
 //! - Plain (auto with stderr not a terminal: logs, CI): whole lines, no control characters,
 //!   `progress: ` and the same figures: at each `note` for commands with checkpoints, else at
 //!   most every 30 seconds once the command has run two seconds.
@@ -164,7 +165,7 @@ pub fn start(total: u64, unit: Unit) -> Bar {
         label: String::new(),
         detail: String::new(),
         started: now,
-        delay: DELAY,
+        delay: std::env::var("REAP_PROGRESS_DELAY_MS").ok().and_then(|v| v.parse().ok()).map_or(DELAY, Duration::from_millis),
         checkpoints: false,
         checkpoint: None,
         last_plain: now,

@@ -581,6 +581,8 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
         outputs.chunks_done = i.min(n_chunk);
         bar.set(outputs.chunks_done as u64);
     }
+    // the last checkpoint, when it is written, belongs on the line
+    outputs.writer.sync();
     bar.finish();
     writeln!(out)?;
     if compute_ppl {

@@ -24,6 +24,8 @@ pub enum Job {
     TraceCreate { path: PathBuf, header: TraceHeader },
     /// appends encoded rows and rewrites the header; the buffer comes back for reuse
     TraceRows { rows: Vec<u8>, n: u64 },
+    /// answered once every job before it is done
+    Sync(Sender<()>),
 }
 
 pub struct Writer {
@@ -66,6 +68,16 @@ impl Writer {
         }
     }
 
+    /// Waits until everything queued so far has been written (or has failed).
+    pub fn sync(&self) {
+        let (tx, rx) = bounded(1);
+        if let Some(q) = &self.tx {
+            if q.send(Job::Sync(tx)).is_ok() {
+                let _ = rx.recv();
+            }
+        }
+    }
+
     /// Waits until everything queued is on disk; returns the first write error.
     pub fn finish(mut self) -> Result<()> {
         self.tx.take();
@@ -101,6 +113,10 @@ fn run_job(job: Job, trace: &mut Option<TraceFile>, back: &Sender<Vec<u8>>) -> R
         Job::Saliency { path, saliency } => saliency.write(&path),
         Job::TraceCreate { path, header } => {
             *trace = Some(TraceFile::create(&path, header)?);
+            Ok(())
+        }
+        Job::Sync(done) => {
+            let _ = done.send(());
             Ok(())
         }
         Job::TraceRows { mut rows, n } => {

@@ -3,7 +3,9 @@
 mod build_steps;
 mod drop_in;
 mod fixture;
+mod interrupt;
 mod manifest;
+mod progress;
 mod replay;
 mod select;
 mod reap;
