@@ -11,4 +11,6 @@ pub mod collect;
 pub mod error;
 pub mod fixture;
 pub mod formats;
+pub mod interrupt;
 pub mod llama;
+pub mod progress;
