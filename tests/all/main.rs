@@ -4,6 +4,7 @@ mod build_steps;
 mod drop_in;
 mod fixture;
 mod manifest;
+mod prune;
 mod replay;
 mod select;
 mod reap;
