@@ -18,8 +18,9 @@ fn prune(args: &[&std::ffi::OsStr]) -> Output {
     run(Command::new(ours()).arg("prune").args(args))
 }
 
+/// Runs prune in the output's folder (relative paths in `extra` are relative to it).
 fn prune_ok(model: &Path, map: &Path, out: &Path, extra: &[&str]) -> Output {
-    run_ok(Command::new(ours()).arg("prune").arg("-m").arg(model).arg("--keep-map").arg(map).arg("-o").arg(out).args(extra))
+    run_ok(Command::new(ours()).current_dir(out.parent().unwrap()).arg("prune").arg("-m").arg(model).arg("--keep-map").arg(map).arg("-o").arg(out).args(extra))
 }
 
 fn write_map(path: &Path, v: Value) -> PathBuf {
@@ -282,8 +283,19 @@ fn kept_experts_route_and_compute_as_in_the_original() {
             }
         }
 
-        // (2) 8 of the live experts: first MoE layer, tokens whose top-k were all kept
-        let keep8: Vec<Vec<u16>> = live.iter().map(|l| l.iter().copied().step_by(3).take(8).collect()).collect();
+        // (2) 8 of 32: first MoE layer, tokens whose top-k were all kept
+        // the 8 most used experts of each layer (the heavy hitters and the busiest middle ones)
+        let keep8: Vec<Vec<u16>> = sal
+            .layers
+            .iter()
+            .map(|l| {
+                let mut ids: Vec<u16> = (0..l.n_expert as u16).collect();
+                ids.sort_by_key(|&e| std::cmp::Reverse(l.count[e as usize]));
+                ids.truncate(8);
+                ids.sort_unstable();
+                ids
+            })
+            .collect();
         let map8 = write_map(&d.join("k8.json"), map_json(&keep8));
         let p8 = d.join("k8");
         std::fs::create_dir_all(&p8).unwrap();
