@@ -53,8 +53,12 @@ fn final_ppl(out: &Output) -> f64 {
     line.split("PPL =").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap()
 }
 
+/// Upstream llama-perplexity's final estimate. `-nr` (no weight repacking): on CPUs with AMX
+/// in some VMs the repacked Q8_0/Q4_0 kernels die with SIGILL, for unpruned models too.
 fn upstream_ppl(model: &Path) -> f64 {
-    let out = run_ok(Command::new(reference_bin("llama-perplexity")).arg("-m").arg(model).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "3", "-t", "2"]));
+    let out = run_ok(
+        Command::new(reference_bin("llama-perplexity")).arg("-m").arg(model).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "3", "-t", "2", "-nr"]),
+    );
     final_ppl(&out)
 }
 
@@ -181,7 +185,8 @@ fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
             run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", im, "p.gguf", out, "Q4_0"]))
         };
         let control = quantize("imatrix.gguf", "bad.gguf");
-        assert!(!control.status.success(), "{arch}: the unsliced imatrix was accepted");
+        let why = String::from_utf8_lossy(&control.stderr);
+        assert!(!control.status.success() && why.contains("is different from tensor size"), "{arch}: the unsliced imatrix: {why}");
         let ok = quantize("p.imatrix.gguf", "p.q4_0.gguf");
         assert!(ok.status.success(), "{arch}: {}", String::from_utf8_lossy(&ok.stderr));
         let ppl = upstream_ppl(&d.join("p.q4_0.gguf"));
