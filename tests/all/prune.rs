@@ -75,6 +75,16 @@ fn a_keep_all_map_reproduces_the_model_and_imatrix_byte_for_byte() {
         prune_ok(&fixture(arch), &map, &d.join("out.gguf"), &["--imatrix", "imatrix.gguf", "--imatrix-out", "out.imatrix.gguf"]);
         assert_same_bytes(&fixture(arch), &d.join("out.gguf"));
         assert_same_bytes(&d.join("imatrix.gguf"), &d.join("out.imatrix.gguf"));
+
+        // a map from select records the model it was fitted on, and prune accepts that model
+        run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "imatrix.reap.json", "--method", "frequency", "--k", "6", "--out-dir", "maps"]));
+        let map = d.join("maps/keep_frequency_k6.json");
+        let v: Value = serde_json::from_slice(&read(&map)).unwrap();
+        let sha = reap_imatrix::formats::sha256::sha256_file(&fixture(arch)).unwrap();
+        assert_eq!((v["model"]["sha256"].as_str(), v["model"]["expert_count"].as_u64()), (Some(sha.as_str()), Some(32)), "{arch}");
+        prune_ok(&fixture(arch), &map, &d.join("k6.gguf"), &[]);
+        let b = read(&d.join("k6.gguf"));
+        assert_eq!(Header::parse(&b).unwrap().uint(&b, &format!("{arch}.expert_count")), Some(6));
     }
 }
 
