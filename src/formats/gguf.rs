@@ -310,8 +310,8 @@ mod tests {
         put_str(&mut arr, "bc");
         let kvs = [kv_u32("general.alignment", 64), arr, kv_u32("x.expert_count", 8)];
         let tensors = vec![
-            TensorInfo { name: "a".into(), ne: vec![3, 1], ggml_type: sys::GGML_TYPE_F32 as u32, offset: 0 },
-            TensorInfo { name: "b".into(), ne: vec![32, 2, 8], ggml_type: sys::GGML_TYPE_Q8_0 as u32, offset: 0 },
+            TensorInfo { name: "a".into(), ne: vec![3, 1], ggml_type: sys::GGML_TYPE_F32, offset: 0 },
+            TensorInfo { name: "b".into(), ne: vec![32, 2, 8], ggml_type: sys::GGML_TYPE_Q8_0, offset: 0 },
         ];
         let refs: Vec<&[u8]> = kvs.iter().map(|k| k.as_slice()).collect();
         let (head, offsets) = encode_header(3, &refs, &tensors, 64);

@@ -20,7 +20,18 @@ fn prune(args: &[&std::ffi::OsStr]) -> Output {
 
 /// Runs prune in the output's folder (relative paths in `extra` are relative to it).
 fn prune_ok(model: &Path, map: &Path, out: &Path, extra: &[&str]) -> Output {
-    run_ok(Command::new(ours()).current_dir(out.parent().unwrap()).arg("prune").arg("-m").arg(model).arg("--keep-map").arg(map).arg("-o").arg(out).args(extra))
+    run_ok(
+        Command::new(ours())
+            .current_dir(out.parent().unwrap())
+            .arg("prune")
+            .arg("-m")
+            .arg(model)
+            .arg("--keep-map")
+            .arg(map)
+            .arg("-o")
+            .arg(out)
+            .args(extra),
+    )
 }
 
 fn write_map(path: &Path, v: Value) -> PathBuf {
@@ -36,15 +47,21 @@ fn map_json(keep: &[Vec<u16>]) -> Value {
 
 /// Calibrates `model` on the bundled corpus into `dir` (imatrix, saliency JSON, full trace).
 fn calibrate(dir: &Path, model: &Path) {
-    run_ok(
-        Command::new(ours())
-            .current_dir(dir)
-            .arg("-m")
-            .arg(model)
-            .arg("-f")
-            .arg(corpus())
-            .args(["-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "--no-ppl", "-o", "imatrix.gguf", "--trace-out", "t.bin"]),
-    );
+    run_ok(Command::new(ours()).current_dir(dir).arg("-m").arg(model).arg("-f").arg(corpus()).args([
+        "-c",
+        "128",
+        "-b",
+        "128",
+        "--chunks",
+        "4",
+        "-t",
+        "2",
+        "--no-ppl",
+        "-o",
+        "imatrix.gguf",
+        "--trace-out",
+        "t.bin",
+    ]));
 }
 
 fn final_ppl(out: &Output) -> f64 {
@@ -57,7 +74,12 @@ fn final_ppl(out: &Output) -> f64 {
 /// in some VMs the repacked Q8_0/Q4_0 kernels die with SIGILL, for unpruned models too.
 fn upstream_ppl(model: &Path) -> f64 {
     let out = run_ok(
-        Command::new(reference_bin("llama-perplexity")).arg("-m").arg(model).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "3", "-t", "2", "-nr"]),
+        Command::new(reference_bin("llama-perplexity"))
+            .arg("-m")
+            .arg(model)
+            .arg("-f")
+            .arg(corpus())
+            .args(["-c", "128", "--chunks", "3", "-t", "2", "-nr"]),
     );
     final_ppl(&out)
 }
@@ -77,7 +99,17 @@ fn a_keep_all_map_reproduces_the_model_and_imatrix_byte_for_byte() {
         assert_same_bytes(&d.join("imatrix.gguf"), &d.join("out.imatrix.gguf"));
 
         // a map from select records the model it was fitted on, and prune accepts that model
-        run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "imatrix.reap.json", "--method", "frequency", "--k", "6", "--out-dir", "maps"]));
+        run_ok(Command::new(ours()).current_dir(&d).args([
+            "select",
+            "--reap",
+            "imatrix.reap.json",
+            "--method",
+            "frequency",
+            "--k",
+            "6",
+            "--out-dir",
+            "maps",
+        ]));
         let map = d.join("maps/keep_frequency_k6.json");
         let v: Value = serde_json::from_slice(&read(&map)).unwrap();
         let sha = reap_imatrix::formats::sha256::sha256_file(&fixture(arch)).unwrap();
@@ -225,13 +257,21 @@ fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
     }
 }
 
-/// Trace rows of one run, by (chunk, pos): per layer the selected ids and their gate weights.
-fn trace_rows(p: &Path) -> Vec<(u32, u32, i32, Vec<Vec<u16>>, Vec<Vec<f32>>)> {
+/// One trace row: chunk, pos, token, and per layer the selected ids and their gate weights.
+type TraceRow = (u32, u32, i32, Vec<Vec<u16>>, Vec<Vec<f32>>);
+
+fn trace_rows(p: &Path) -> Vec<TraceRow> {
     let t = TraceReader::open(p).unwrap();
     let nl = t.header.n_layers();
     t.rows()
         .map(|r| {
-            (r.chunk(), r.pos(), r.token(), (0..nl).map(|l| r.sel_ids(l).to_vec()).collect(), (0..nl).map(|l| r.sel_weights(l).to_vec()).collect())
+            (
+                r.chunk(),
+                r.pos(),
+                r.token(),
+                (0..nl).map(|l| r.sel_ids(l).to_vec()).collect(),
+                (0..nl).map(|l| r.sel_weights(l).to_vec()).collect(),
+            )
         })
         .collect()
 }
@@ -258,7 +298,8 @@ fn kept_experts_route_and_compute_as_in_the_original() {
         let rows = trace_rows(&orig.join("t.bin"));
 
         // (1) every live expert kept: K = 28 of 32
-        let live: Vec<Vec<u16>> = sal.layers.iter().map(|l| (0..l.n_expert as u16).filter(|&e| l.count[e as usize] > 0).collect()).collect();
+        let live: Vec<Vec<u16>> =
+            sal.layers.iter().map(|l| (0..l.n_expert as u16).filter(|&e| l.count[e as usize] > 0).collect()).collect();
         let k = live.iter().map(Vec::len).max().unwrap();
         let keep: Vec<Vec<u16>> = live
             .iter()
@@ -279,8 +320,8 @@ fn kept_experts_route_and_compute_as_in_the_original() {
         assert_eq!(rows.len(), prow.len());
         for (a, b) in rows.iter().zip(&prow) {
             assert_eq!((a.0, a.1, a.2), (b.0, b.1, b.2));
-            for l in 0..BLOCKS.len() {
-                let mapped: Vec<u16> = b.3[l].iter().map(|&j| keep[l][j as usize]).collect();
+            for (l, kept) in keep.iter().enumerate() {
+                let mapped: Vec<u16> = b.3[l].iter().map(|&j| kept[j as usize]).collect();
                 assert_eq!(a.3[l], mapped, "{arch}: chunk {} pos {} layer {l}", a.0, a.1);
                 for (x, y) in a.4[l].iter().zip(&b.4[l]) {
                     assert!((x - y).abs() < 1e-4, "{arch}: gate weight {x} vs {y}");
@@ -293,7 +334,12 @@ fn kept_experts_route_and_compute_as_in_the_original() {
             for (j, &e) in keep[l].iter().enumerate() {
                 let e = e as usize;
                 assert_eq!(o.count[e], p.count[j], "{arch}: layer {l} expert {e}");
-                assert!(close(o.reap_l2_sum[e], p.reap_l2_sum[j], 1e-4), "{arch}: layer {l} expert {e}: {} vs {}", o.reap_l2_sum[e], p.reap_l2_sum[j]);
+                assert!(
+                    close(o.reap_l2_sum[e], p.reap_l2_sum[j], 1e-4),
+                    "{arch}: layer {l} expert {e}: {} vs {}",
+                    o.reap_l2_sum[e],
+                    p.reap_l2_sum[j]
+                );
                 assert!(close(o.ean_sum[e], p.ean_sum[j], 1e-4), "{arch}: layer {l} expert {e}");
             }
         }
@@ -364,7 +410,11 @@ impl Refusal {
         assert_eq!(out.status.code(), Some(2), "stderr: {err}");
         assert!(err.contains(needle), "expected {needle:?} in: {err}");
         assert!(!self.out.exists(), "{} was written", self.out.display());
-        let left: Vec<_> = std::fs::read_dir(&self.dir).unwrap().map(|e| e.unwrap().file_name()).filter(|n| n.to_string_lossy().contains(".tmp")).collect();
+        let left: Vec<_> = std::fs::read_dir(&self.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n.to_string_lossy().contains(".tmp"))
+            .collect();
         assert!(left.is_empty(), "temporary files left: {left:?}");
     }
 }
@@ -435,7 +485,15 @@ fn prune_refuses_to_overwrite_an_input() {
     let map = r.map(map_json(&k6()));
     let model = fixture("qwen3moe");
     let before = read(&model);
-    let out = prune(&["-m".as_ref(), model.as_os_str(), "--keep-map".as_ref(), map.as_os_str(), "-o".as_ref(), model.as_os_str(), "--force".as_ref()]);
+    let out = prune(&[
+        "-m".as_ref(),
+        model.as_os_str(),
+        "--keep-map".as_ref(),
+        map.as_os_str(),
+        "-o".as_ref(),
+        model.as_os_str(),
+        "--force".as_ref(),
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("the same file as -m"), "{err}");
@@ -449,7 +507,8 @@ fn prune_refuses_an_existing_output_without_force() {
     let r = Refusal::new("exists");
     let map = r.map(map_json(&k6()));
     std::fs::write(&r.out, b"keep me").unwrap();
-    let out = prune(&["-m".as_ref(), fixture("qwen3moe").as_os_str(), "--keep-map".as_ref(), map.as_os_str(), "-o".as_ref(), r.out.as_os_str()]);
+    let out =
+        prune(&["-m".as_ref(), fixture("qwen3moe").as_os_str(), "--keep-map".as_ref(), map.as_os_str(), "-o".as_ref(), r.out.as_os_str()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("already exists (pass --force to replace it)"), "{err}");

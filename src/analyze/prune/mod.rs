@@ -183,14 +183,19 @@ fn check_map(map: &KeepMap, path: &Path, blocks: &[u32], n_expert: u64, n_used: 
             )));
         }
         if let Some(&e) = l.keep.iter().find(|&&e| e as u64 >= n_expert) {
-            return Err(usage(format!("--keep-map {p}: layer {b}: expert id {e} is out of range (the model has {n_expert} experts, 0–{})", n_expert - 1)));
+            return Err(usage(format!(
+                "--keep-map {p}: layer {b}: expert id {e} is out of range (the model has {n_expert} experts, 0–{})",
+                n_expert - 1
+            )));
         }
     }
     if map.k != 0 && map.k != k {
         return Err(usage(format!("--keep-map {p}: says \"k\": {}, but its layers keep {k} experts", map.k)));
     }
     if (k as u64) < n_used.max(1) {
-        return Err(usage(format!("--keep-map {p}: keeps {k} experts per layer, fewer than the {n_used} each token uses (expert_used_count)")));
+        return Err(usage(format!(
+            "--keep-map {p}: keeps {k} experts per layer, fewer than the {n_used} each token uses (expert_used_count)"
+        )));
     }
     Ok(map.layers.iter().map(|l| l.keep.clone()).collect())
 }
@@ -205,7 +210,10 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let (h, b) = (&src.header, &src.map[..]);
     let arch = h.string(b, "general.architecture").ok_or_else(|| usage(format!("-m {model_arg}: no general.architecture")))?;
     let count_key = format!("{arch}.expert_count");
-    let n_expert = h.uint(b, &count_key).filter(|&n| n > 0).ok_or_else(|| usage(format!("-m {model_arg}: no {count_key}: not a mixture-of-experts model")))?;
+    let n_expert = h
+        .uint(b, &count_key)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| usage(format!("-m {model_arg}: no {count_key}: not a mixture-of-experts model")))?;
     let n_used = h.uint(b, &format!("{arch}.expert_used_count")).unwrap_or(0);
     let groups = h.uint(b, &format!("{arch}.expert_group_count")).unwrap_or(0);
     let groups_used = h.uint(b, &format!("{arch}.expert_group_used_count")).unwrap_or(groups);
