@@ -138,8 +138,8 @@ fn upstream_llama_perplexity_runs_every_pruned_fixture() {
     let d = temp_dir("prune-ppl");
     let q8 = d.join("q8.gguf");
     run_ok(Command::new(ours()).args(["fixture", "--wtype", "q8_0", "--arch", "qwen2moe", "-o"]).arg(&q8));
-    // K = 6 of 32 (above the 4 each token uses), different ids per layer
-    let keep: Vec<Vec<u16>> = BLOCKS.iter().map(|&b| (0..6).map(|i| (i * 5 + b as u16) % N_EXPERT).collect()).collect();
+    // K = 6 of 32 (above the 4 each token uses), different ids per layer, listed unsorted
+    let keep: Vec<Vec<u16>> = BLOCKS.iter().map(|&b| (0..6).map(|i| (i * 11 + b as u16) % N_EXPERT).collect()).collect();
     let mut keep_sorted = keep.clone();
     keep_sorted.iter_mut().for_each(|k| k.sort_unstable());
     // the map lists ids unsorted: the output is in ascending id order anyway
@@ -163,6 +163,15 @@ fn upstream_llama_perplexity_runs_every_pruned_fixture() {
                 *want.last_mut().unwrap() = 6;
             }
             assert_eq!((&t.name, &t.ne, t.ggml_type), (&s.name, &want, s.ggml_type), "{name}");
+            if per_expert && name == "q2-q8" && s.ne.len() == 3 {
+                // Q8_0: rows of ne[0]/32 blocks of 34 bytes, ne[1] rows per expert
+                let per = (s.ne[0] / 32 * 34 * s.ne[1]) as usize;
+                let (a, o) = ((hs.data_start + s.offset) as usize, (h.data_start + t.offset) as usize);
+                let l = BLOCKS.iter().position(|&blk| t.name.starts_with(&format!("blk.{blk}."))).unwrap();
+                for (j, &e) in keep_sorted[l].iter().enumerate() {
+                    assert!(b[o + j * per..o + (j + 1) * per] == src[a + e as usize * per..a + (e as usize + 1) * per], "{}: expert {e}", t.name);
+                }
+            }
         }
     }
 }

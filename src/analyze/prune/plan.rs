@@ -118,6 +118,54 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::formats::gguf::encode_header;
+    use crate::llama::sys;
+
+    fn info(name: &str, ne: &[u64], ty: u32) -> TensorInfo {
+        TensorInfo { name: name.into(), ne: ne.to_vec(), ggml_type: ty, offset: 0 }
+    }
+
+    /// Biases, scales, the router's bias and a selection bias are sliced along their outermost
+    /// axis like the weights; a 2-D bias whose width equals the expert count is still sliced
+    /// along ne[1]; shared-expert tensors are copied.
+    #[test]
+    fn every_per_expert_shape_is_sliced_along_its_outermost_axis() {
+        let (f32_, q8) = (sys::GGML_TYPE_F32, sys::GGML_TYPE_Q8_0);
+        let tensors = vec![
+            info("blk.1.ffn_gate_inp.weight", &[64, 8], f32_),
+            info("blk.1.ffn_gate_inp.bias", &[8], f32_),
+            info("blk.1.exp_probs_b.bias", &[8], f32_),
+            info("blk.1.ffn_gate_exps.weight", &[64, 8, 8], q8),
+            info("blk.1.ffn_gate_exps.bias", &[8, 8], f32_),
+            info("blk.1.ffn_down_exps.scale", &[8], f32_),
+            info("blk.1.ffn_down_shexp.weight", &[8, 64], f32_),
+        ];
+        let (head, _) = encode_header(3, &[], &tensors, 32);
+        let size: u64 = tensors.iter().map(|t| crate::formats::gguf::pad(t.nbytes(), 32)).sum();
+        let mut file = head;
+        file.resize(file.len() + size as usize, 0);
+        let h = Header::parse(&file).unwrap();
+        assert_eq!(moe_blocks(&h), vec![1]);
+        let steps = plan(&h, model_per_expert, &[1], 3, 8).unwrap();
+        let got: Vec<(Vec<u64>, Option<(usize, u64)>)> = steps.iter().map(|s| (s.out.ne.clone(), s.slice)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (vec![64, 3], Some((0, 64 * 4))),
+                (vec![3], Some((0, 4))),
+                (vec![3], Some((0, 4))),
+                (vec![64, 8, 3], Some((0, 8 * 2 * 34))),
+                (vec![8, 3], Some((0, 8 * 4))),
+                (vec![3], Some((0, 4))),
+                (vec![8, 64], None),
+            ]
+        );
+        // a per-expert tensor with another expert count, or in a block without a router
+        let e = plan(&h, model_per_expert, &[1], 3, 16).unwrap_err();
+        assert!(e.contains("not the model's expert_count 16"), "{e}");
+        let e = plan(&h, model_per_expert, &[2], 3, 8).unwrap_err();
+        assert!(e.contains("block 1 has no router"), "{e}");
+    }
 
     #[test]
     fn per_expert_names_are_recognised_by_role() {
