@@ -61,6 +61,8 @@ enum Command {
     Check(crate::analyze::check::CheckArgs),
     /// Keep maps (which experts to keep per layer) from a saliency JSON.
     Select(crate::analyze::select::SelectArgs),
+    /// A pruned GGUF (and imatrix) keeping the experts a keep map lists.
+    Prune(crate::analyze::prune::PruneArgs),
     /// Expert-cache simulation over a routing trace.
     Replay(crate::analyze::replay::ReplayArgs),
     /// Re-run a recorded run (its manifest) and report whether every output is byte-identical.
@@ -88,6 +90,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Fixture(args) => crate::fixture::run(&args).map(|()| 0),
         Command::Check(args) => crate::analyze::check::run(&args),
         Command::Select(args) => crate::analyze::select::run(&args),
+        Command::Prune(args) => crate::analyze::prune::run(&args),
         Command::Replay(args) => crate::analyze::replay::run(&args),
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
         Command::Export(args) => crate::analyze::export::run(&args),

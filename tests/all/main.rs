@@ -9,6 +9,7 @@ mod fixture;
 mod interrupt;
 mod manifest;
 mod progress;
+mod prune;
 mod replay;
 mod select;
 mod reap;

@@ -21,6 +21,16 @@ pub struct Source {
     pub trace_tokens_written: u64,
 }
 
+/// The model the saliency was measured on (from the saliency JSON's `metadata.model`), so
+/// `prune` can refuse a map meant for another model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelRef {
+    pub path: String,
+    /// sha256 of the GGUF file, lowercase hex; None when the run did not record it
+    pub sha256: Option<String>,
+    pub expert_count: Option<u64>,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct KeepLayer {
     /// block index; None when the file holds plain lists (then the position is the MoE layer slot)
@@ -35,6 +45,7 @@ pub struct KeepMap {
     pub k: usize,
     pub parameters: Value,
     pub source: Option<Source>,
+    pub model: Option<ModelRef>,
     pub layers: Vec<KeepLayer>,
 }
 
@@ -46,7 +57,7 @@ impl KeepMap {
             .source
             .as_ref()
             .map(|s| json!({"path": s.path, "sha256": s.sha256, "tokens": s.tokens, "trace_tokens_written": s.trace_tokens_written}));
-        json!({
+        let mut v = json!({
             "format": FORMAT,
             "version": VERSION,
             "method": self.method,
@@ -54,7 +65,11 @@ impl KeepMap {
             "parameters": self.parameters,
             "source": source,
             "layers": layers,
-        })
+        });
+        if let Some(m) = &self.model {
+            v["model"] = json!({"path": m.path, "sha256": m.sha256, "expert_count": m.expert_count});
+        }
+        v
     }
 
     /// Writes the map atomically (pretty JSON, one line per layer's list is not guaranteed).
@@ -126,11 +141,20 @@ impl KeepMap {
             }),
             _ => None,
         };
+        let model = match v.get("model") {
+            Some(m @ Value::Object(_)) => Some(ModelRef {
+                path: m.get("path").and_then(Value::as_str).unwrap_or("").to_string(),
+                sha256: m.get("sha256").and_then(Value::as_str).map(str::to_string),
+                expert_count: m.get("expert_count").and_then(Value::as_u64),
+            }),
+            _ => None,
+        };
         Ok(KeepMap {
             method: v.get("method").and_then(Value::as_str).unwrap_or("").to_string(),
             k: v.get("k").and_then(Value::as_u64).unwrap_or(0) as usize,
             parameters: v.get("parameters").cloned().unwrap_or(Value::Null),
             source,
+            model,
             layers: out,
         })
     }
@@ -154,13 +178,14 @@ mod tests {
             k: 2,
             parameters: json!({"min_count": 0}),
             source: Some(Source { path: "a.json".into(), sha256: sha256_hex(b"abc"), tokens: 10, trace_tokens_written: 4 }),
+            model: Some(ModelRef { path: "m.gguf".into(), sha256: Some(sha256_hex(b"m")), expert_count: Some(8) }),
             layers: vec![KeepLayer { layer: Some(3), keep: vec![1, 5] }, KeepLayer { layer: Some(4), keep: vec![0, 2] }],
         };
         assert_eq!(KeepMap::from_json(&m.to_json()).unwrap(), m);
         assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
         let minimal = KeepMap::from_json(&json!({"method": "x", "k": 2, "layers": [[5, 1], [2, 0]]})).unwrap();
         assert_eq!(minimal.layers[0], KeepLayer { layer: None, keep: vec![1, 5] });
-        assert!(minimal.source.is_none());
+        assert!(minimal.source.is_none() && minimal.model.is_none());
         let e = KeepMap::from_json(&json!({"layers": [[1, 1]]})).unwrap_err();
         assert!(format!("{e:#}").contains("twice"), "{e:#}");
         let e = KeepMap::from_json(&json!({"layers": [[70000]]})).unwrap_err();

@@ -10,7 +10,7 @@ use crate::formats::atomic;
 use crate::formats::saliency::Saliency;
 use crate::formats::trace::TraceReader;
 use anyhow::{anyhow, Result};
-use keep_map::{sha256_hex, KeepLayer, KeepMap, Source};
+use keep_map::{sha256_hex, KeepLayer, KeepMap, ModelRef, Source};
 use score::{Method, Params, Prior};
 use serde_json::{json, Value};
 use std::fmt::Write as _;
@@ -212,6 +212,13 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
         trace_tokens_written: sal.trace_tokens_written,
     };
 
+    // the model the sums were measured on, so prune can refuse a map meant for another one
+    let model = sal.metadata.get("model").map(|m| ModelRef {
+        path: m.get("path").and_then(Value::as_str).unwrap_or("").to_string(),
+        sha256: m.get("sha256").and_then(Value::as_str).map(str::to_string),
+        expert_count: Some(sal.layers[0].n_expert as u64),
+    });
+
     // ---- keep sets
     let sets: Vec<Vec<Vec<Vec<u16>>>> = methods.iter().map(|&m| select_method(&sal, m, &ks, &params)).collect();
 
@@ -224,6 +231,7 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
                 k,
                 parameters: method_parameters(m, &params, &sal),
                 source: Some(source.clone()),
+                model: model.clone(),
                 layers: sal
                     .layers
                     .iter()

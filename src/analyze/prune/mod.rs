@@ -1,0 +1,303 @@
+//! `reap-imatrix prune`: a keep map applied to a GGUF model (and its imatrix), giving a model
+//! with K experts per MoE layer that stock llama.cpp loads. See docs/prune.md.
+//!
+//! Everything is checked before the first byte is written (the map against the model, the
+//! imatrix against both, the output paths); then the model is streamed from a memory map to a
+//! temporary file beside the output and renamed into place, and the imatrix the same way.
+
+pub mod plan;
+pub mod stream;
+
+use crate::analyze::select::keep_map::KeepMap;
+use crate::error::UsageError;
+use crate::formats::atomic;
+use crate::formats::gguf::{encode_header, Header, TensorInfo};
+use anyhow::{anyhow, Context as _, Result};
+use memmap2::Mmap;
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args, Debug)]
+#[command(after_help = "Keeps, in every MoE layer, the experts the keep map lists (ascending id order); every other key and \
+tensor is copied unchanged. Nothing is written when an input is refused. See docs/prune.md.")]
+pub struct PruneArgs {
+    /// Model to prune (GGUF)
+    #[arg(short = 'm', long = "model", value_name = "MODEL.gguf")]
+    pub model: PathBuf,
+    /// Keep map (from `select`): which experts each MoE layer keeps
+    #[arg(long = "keep-map", value_name = "MAP.json")]
+    pub keep_map: PathBuf,
+    /// Pruned model to write
+    #[arg(short = 'o', long = "output", visible_alias = "out", value_name = "OUT.gguf")]
+    pub out: PathBuf,
+    /// Imatrix of the model (GGUF) to slice the same way
+    #[arg(long, value_name = "IN.gguf", requires = "imatrix_out")]
+    pub imatrix: Option<PathBuf>,
+    /// Where to write the sliced imatrix
+    #[arg(long = "imatrix-out", value_name = "OUT.imatrix.gguf", requires = "imatrix")]
+    pub imatrix_out: Option<PathBuf>,
+    /// Replace existing output files
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// What to prune: the library entry point's input (`eval --keep-map` prunes through it).
+#[derive(Clone, Debug)]
+pub struct PruneOptions {
+    pub model: PathBuf,
+    pub keep_map: PathBuf,
+    pub out: PathBuf,
+    /// (imatrix of `model`, where to write the sliced one)
+    pub imatrix: Option<(PathBuf, PathBuf)>,
+    /// replace existing outputs
+    pub force: bool,
+}
+
+/// What was written.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PruneReport {
+    pub arch: String,
+    /// the model's expert count before pruning
+    pub n_expert: u64,
+    /// experts kept per MoE layer
+    pub k: usize,
+    /// the MoE layers (block indices), in keep-map order
+    pub moe_layers: Vec<u32>,
+    pub tensors: usize,
+    /// tensors sliced along their expert axis
+    pub tensors_sliced: usize,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// per-expert imatrix entries sliced (`in_sum2` and `counts` each count), with --imatrix
+    pub imatrix_entries_sliced: Option<usize>,
+}
+
+fn usage(msg: String) -> anyhow::Error {
+    anyhow!(UsageError(msg))
+}
+
+pub fn run(args: &PruneArgs) -> Result<i32> {
+    let opts = PruneOptions {
+        model: args.model.clone(),
+        keep_map: args.keep_map.clone(),
+        out: args.out.clone(),
+        imatrix: args.imatrix.clone().zip(args.imatrix_out.clone()),
+        force: args.force,
+    };
+    let t0 = std::time::Instant::now();
+    let r = prune_model(&opts)?;
+    println!(
+        "prune: {} ({}): {} MoE layers, {} → {} experts; {} of {} tensors sliced; {:.1} MiB → {:.1} MiB in {:.2} s",
+        args.out.display(),
+        r.arch,
+        r.moe_layers.len(),
+        r.n_expert,
+        r.k,
+        r.tensors_sliced,
+        r.tensors,
+        r.bytes_in as f64 / (1 << 20) as f64,
+        r.bytes_out as f64 / (1 << 20) as f64,
+        t0.elapsed().as_secs_f64()
+    );
+    if let (Some(n), Some(p)) = (r.imatrix_entries_sliced, &args.imatrix_out) {
+        println!("prune: {}: {n} per-expert imatrix entries sliced", p.display());
+    }
+    Ok(0)
+}
+
+/// A source file and its parsed header.
+struct Source {
+    map: Mmap,
+    header: Header,
+}
+
+fn open_gguf(path: &Path, what: &str) -> Result<Source> {
+    let file = std::fs::File::open(path).map_err(|e| usage(format!("{what} {}: {e}", path.display())))?;
+    // SAFETY: read-only map; a file changed underneath would give wrong bytes, not unsafety in
+    // practice (the same assumption llama.cpp's own mmap loading makes).
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| usage(format!("{what} {}: cannot map: {e}", path.display())))?;
+    let header = Header::parse(&map).map_err(|e| usage(format!("{what} {}: {e}", path.display())))?;
+    Ok(Source { map, header })
+}
+
+/// The file a path names, as (device, inode), when it exists.
+fn file_id(p: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Refuses an output that is one of the inputs (or the other output), an existing output
+/// without `force`, and an output folder that cannot be written.
+fn check_outputs(opts: &PruneOptions) -> Result<()> {
+    let mut inputs: Vec<(&str, &Path)> = vec![("-m", &opts.model), ("--keep-map", &opts.keep_map)];
+    let mut outputs: Vec<(&str, &Path)> = vec![("-o", &opts.out)];
+    if let Some((i, o)) = &opts.imatrix {
+        inputs.push(("--imatrix", i));
+        outputs.push(("--imatrix-out", o));
+    }
+    let same = |a: &Path, b: &Path| {
+        a == b || matches!((file_id(a), file_id(b)), (Some(x), Some(y)) if x == y) || {
+            let abs = |p: &Path| std::path::absolute(p).ok();
+            abs(a).is_some() && abs(a) == abs(b)
+        }
+    };
+    for (oi, (of, o)) in outputs.iter().enumerate() {
+        for (f, i) in inputs.iter().chain(&outputs[..oi]) {
+            if same(o, i) {
+                return Err(usage(format!("{of} {}: the same file as {f} (an output must not overwrite an input)", o.display())));
+            }
+        }
+        if o.exists() && !opts.force {
+            return Err(usage(format!("{of} {}: already exists (pass --force to replace it)", o.display())));
+        }
+        atomic::check_writable(o).map_err(|e| usage(format!("{of} {e}")))?;
+    }
+    Ok(())
+}
+
+/// The map's kept ids per MoE layer, checked against the model.
+fn check_map(map: &KeepMap, path: &Path, blocks: &[u32], n_expert: u64, n_used: u64) -> Result<Vec<Vec<u16>>> {
+    let p = path.display();
+    if let Some(n) = map.model.as_ref().and_then(|m| m.expert_count) {
+        if n != n_expert {
+            return Err(usage(format!("--keep-map {p}: made for a model with {n} experts per layer; the model has {n_expert}")));
+        }
+    }
+    if map.layers.len() != blocks.len() {
+        return Err(usage(format!(
+            "--keep-map {p}: {} layers, but the model has {} MoE layers (blocks {blocks:?}): a map for another model?",
+            map.layers.len(),
+            blocks.len()
+        )));
+    }
+    let named: Vec<u32> = map.layers.iter().filter_map(|l| l.layer).collect();
+    if !named.is_empty() && named != blocks {
+        return Err(usage(format!("--keep-map {p}: its layers {named:?} are not the model's MoE layers {blocks:?}")));
+    }
+    let k = map.layers[0].keep.len();
+    for (l, &b) in map.layers.iter().zip(blocks) {
+        if l.keep.len() != k {
+            return Err(usage(format!(
+                "--keep-map {p}: layer {b} keeps {} experts, layer {} keeps {k}; llama.cpp loads only the same number of experts in every layer",
+                l.keep.len(),
+                blocks[0]
+            )));
+        }
+        if let Some(&e) = l.keep.iter().find(|&&e| e as u64 >= n_expert) {
+            return Err(usage(format!(
+                "--keep-map {p}: layer {b}: expert id {e} is out of range (the model has {n_expert} experts, 0–{})",
+                n_expert - 1
+            )));
+        }
+    }
+    if map.k != 0 && map.k != k {
+        return Err(usage(format!("--keep-map {p}: says \"k\": {}, but its layers keep {k} experts", map.k)));
+    }
+    if (k as u64) < n_used.max(1) {
+        return Err(usage(format!(
+            "--keep-map {p}: keeps {k} experts per layer, fewer than the {n_used} each token uses (expert_used_count)"
+        )));
+    }
+    Ok(map.layers.iter().map(|l| l.keep.clone()).collect())
+}
+
+/// Prunes `opts.model` by `opts.keep_map` into `opts.out` (and the imatrix, if given).
+/// Bad inputs are `UsageError`s, raised before anything is written.
+pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
+    let model_arg = opts.model.display();
+    check_outputs(opts)?;
+    let map = KeepMap::read(&opts.keep_map).map_err(|e| usage(format!("--keep-map: {e:#}")))?;
+    let src = open_gguf(&opts.model, "-m")?;
+    let (h, b) = (&src.header, &src.map[..]);
+    let arch = h.string(b, "general.architecture").ok_or_else(|| usage(format!("-m {model_arg}: no general.architecture")))?;
+    let count_key = format!("{arch}.expert_count");
+    let n_expert = h
+        .uint(b, &count_key)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| usage(format!("-m {model_arg}: no {count_key}: not a mixture-of-experts model")))?;
+    let n_used = h.uint(b, &format!("{arch}.expert_used_count")).unwrap_or(0);
+    let groups = h.uint(b, &format!("{arch}.expert_group_count")).unwrap_or(0);
+    let groups_used = h.uint(b, &format!("{arch}.expert_group_used_count")).unwrap_or(groups);
+    if groups > 1 && groups_used < groups {
+        return Err(usage(format!(
+            "-m {model_arg}: routes within {groups} expert groups ({groups_used} used per token); pruning would move experts between groups, which prune does not support"
+        )));
+    }
+    let blocks = plan::moe_blocks(h);
+    if blocks.is_empty() {
+        return Err(usage(format!("-m {model_arg}: no MoE layer (no blk.N.ffn_gate_inp.weight)")));
+    }
+    let keep = check_map(&map, &opts.keep_map, &blocks, n_expert, n_used)?;
+    let k = keep[0].len();
+    if let Some(want) = map.model.as_ref().and_then(|m| m.sha256.as_deref()) {
+        let got = crate::formats::sha256::cached_sha256_file(&opts.model).with_context(|| format!("hashing {model_arg}"))?;
+        if !got.eq_ignore_ascii_case(want) {
+            return Err(usage(format!(
+                "--keep-map {}: made for the model with sha256 {want} ({}); -m {model_arg} has sha256 {got}",
+                opts.keep_map.display(),
+                map.model.as_ref().map(|m| m.path.as_str()).unwrap_or("")
+            )));
+        }
+    }
+    let steps = plan::plan(h, plan::model_per_expert, &blocks, k, n_expert).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
+    let count_kv = h.kv(&count_key).unwrap();
+    let new_count = Header::encode_uint(count_kv, k as u64).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
+    let kvs: Vec<&[u8]> = h.kvs.iter().map(|kv| if kv.key == count_key { &new_count[..] } else { &b[kv.raw.clone()] }).collect();
+
+    // the imatrix: parsed and planned before anything is written
+    let imatrix = match &opts.imatrix {
+        None => None,
+        Some((path, out)) => {
+            let im = open_gguf(path, "--imatrix").map_err(|e| {
+                let legacy = std::fs::read(path).map(|b| !b.starts_with(b"GGUF")).unwrap_or(false);
+                if legacy {
+                    usage(format!(
+                        "--imatrix {}: not a GGUF imatrix (the legacy .dat format is not sliced; convert it with `llama-imatrix -m MODEL --in-file OLD.dat -o NEW.gguf`)",
+                        path.display()
+                    ))
+                } else {
+                    e
+                }
+            })?;
+            if im.header.string(&im.map, "general.type").as_deref() != Some("imatrix") {
+                return Err(usage(format!("--imatrix {}: not an imatrix (general.type is not \"imatrix\")", path.display())));
+            }
+            let steps = plan::plan(&im.header, plan::imatrix_per_expert, &blocks, k, n_expert)
+                .map_err(|e| usage(format!("--imatrix {}: {e} (an imatrix of another model?)", path.display())))?;
+            Some((im, steps, out))
+        }
+    };
+
+    let bytes_out = write_gguf(&opts.out, &src, &kvs, &steps, &keep)?;
+    let imatrix_entries_sliced = match &imatrix {
+        None => None,
+        Some((im, steps, out)) => {
+            let kvs: Vec<&[u8]> = im.header.kvs.iter().map(|kv| &im.map[kv.raw.clone()]).collect();
+            write_gguf(out, im, &kvs, steps, &keep)?;
+            Some(steps.iter().filter(|s| s.slice.is_some()).count())
+        }
+    };
+    Ok(PruneReport {
+        arch,
+        n_expert,
+        k,
+        moe_layers: blocks,
+        tensors: steps.len(),
+        tensors_sliced: steps.iter().filter(|s| s.slice.is_some()).count(),
+        bytes_in: src.map.len() as u64,
+        bytes_out,
+        imatrix_entries_sliced,
+    })
+}
+
+/// Writes `src` with the pairs `kvs` and the planned tensors to `out`, atomically.
+fn write_gguf(out: &Path, src: &Source, kvs: &[&[u8]], steps: &[plan::Step], keep: &[Vec<u16>]) -> Result<u64> {
+    let infos: Vec<TensorInfo> = steps.iter().map(|s| s.out.clone()).collect();
+    let (header, offsets) = encode_header(src.header.version, kvs, &infos, src.header.alignment);
+    let mut n = 0;
+    atomic::replace_with(out, |tmp| {
+        n = stream::write(tmp, &src.map, &header, steps, &offsets, keep, src.header.alignment)?;
+        Ok(())
+    })
+    .with_context(|| format!("writing {}", out.display()))?;
+    Ok(n)
+}

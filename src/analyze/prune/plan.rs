@@ -1,0 +1,190 @@
+//! Which tensors of a GGUF hold one slice per expert, and what each becomes after pruning.
+//! Pure functions over a parsed header: no file access.
+//!
+//! The expert axis is the outermost declared dimension (`ne[2]` of a `[n_in, n_out, n_expert]`
+//! weight, `ne[1]` of a `[n, n_expert]` bias or router, `ne[0]` of a `[n_expert]` scale or
+//! selection bias), named by the tensor's role, never guessed from sizes: an expert FFN width
+//! equal to the expert count is a legal model. Because the expert axis is outermost, each
+//! expert's data is one contiguous run of `nbytes / n_expert` bytes made of whole rows, so a
+//! quantized block never straddles two experts.
+
+use crate::formats::gguf::{Header, TensorInfo};
+
+/// Per-expert tensors of a model, by the part of the name after `blk.N.`: the expert FFN
+/// weights (split and fused) with any suffix (`weight`, `bias`, `scale`, `input_scale`), the
+/// router (rows per expert, and its bias) and the selection biases.
+pub const MODEL_PER_EXPERT: &[&str] =
+    &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps", "ffn_gate_inp", "exp_probs_b", "exp_probs_b_vl"];
+
+/// Names that end like a per-expert tensor but hold one vector for the whole layer.
+const NOT_PER_EXPERT: &[&str] = &["ffn_norm_exps"];
+
+/// Per-expert entries of an imatrix: `<weight>.in_sum2` `[n_in, n_expert]` and `<weight>.counts`
+/// `[1, n_expert]` of the expert FFN weights (the router's entry is per input column, not per
+/// expert, and is copied).
+pub const IMATRIX_PER_EXPERT: &[&str] = &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"];
+
+/// `blk.N.<base>.<rest>` → (N, base, rest).
+fn split_block(name: &str) -> Option<(u32, &str, &str)> {
+    let rest = name.strip_prefix("blk.")?;
+    let (n, rest) = rest.split_once('.')?;
+    let (base, rest) = rest.split_once('.')?;
+    Some((n.parse().ok()?, base, rest))
+}
+
+/// The block of a model tensor that holds one slice per expert. An unknown `*_exps` tensor is
+/// an error: copying it whole would leave a model llama.cpp cannot load, or loads wrongly.
+pub fn model_per_expert(name: &str) -> Result<Option<u32>, String> {
+    let Some((n, base, _)) = split_block(name) else { return Ok(None) };
+    if MODEL_PER_EXPERT.contains(&base) {
+        return Ok(Some(n));
+    }
+    if base.ends_with("_exps") && !NOT_PER_EXPERT.contains(&base) {
+        return Err(format!("tensor {name}: a per-expert tensor prune does not know how to slice"));
+    }
+    Ok(None)
+}
+
+/// The block of an imatrix entry that holds one slice per expert.
+pub fn imatrix_per_expert(name: &str) -> Result<Option<u32>, String> {
+    let Some((n, base, rest)) = split_block(name) else { return Ok(None) };
+    let entry = rest.ends_with(".in_sum2") || rest.ends_with(".counts");
+    Ok((entry && IMATRIX_PER_EXPERT.contains(&base)).then_some(n))
+}
+
+/// Blocks with a router (`blk.N.ffn_gate_inp.weight`): the MoE layers, ascending.
+pub fn moe_blocks(h: &Header) -> Vec<u32> {
+    let mut v: Vec<u32> = h
+        .tensors
+        .iter()
+        .filter_map(|t| split_block(&t.name).filter(|(_, base, rest)| *base == "ffn_gate_inp" && *rest == "weight").map(|(n, _, _)| n))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// One tensor of the output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Step {
+    /// the source tensor, its offset made absolute (file offset)
+    pub src_start: u64,
+    pub src: TensorInfo,
+    /// the output tensor's info (offset filled in by the header encoder)
+    pub out: TensorInfo,
+    /// per-expert: (index of the MoE layer in the keep map, bytes per expert)
+    pub slice: Option<(usize, u64)>,
+}
+
+/// The output tensors, in source order. `per_expert` names the per-expert tensors' blocks;
+/// `blocks` are the MoE layers in keep-map order; every per-expert tensor must have
+/// `n_expert` along its outermost dimension.
+pub fn plan(
+    h: &Header,
+    per_expert: impl Fn(&str) -> Result<Option<u32>, String>,
+    blocks: &[u32],
+    k: usize,
+    n_expert: u64,
+) -> Result<Vec<Step>, String> {
+    let mut steps = Vec::with_capacity(h.tensors.len());
+    for t in &h.tensors {
+        let src_start = h.data_start + t.offset;
+        let Some(block) = per_expert(&t.name)? else {
+            steps.push(Step { src_start, src: t.clone(), out: t.clone(), slice: None });
+            continue;
+        };
+        let slot = blocks
+            .iter()
+            .position(|&b| b == block)
+            .ok_or_else(|| format!("tensor {}: per-expert, but block {block} has no router (blk.{block}.ffn_gate_inp.weight)", t.name))?;
+        let axis = t.ne.len() - 1;
+        if t.ne[axis] != n_expert {
+            return Err(format!(
+                "tensor {}: shape {:?} has {} along its expert axis (ne[{axis}], the outermost), not the model's expert_count {n_expert}",
+                t.name, t.ne, t.ne[axis]
+            ));
+        }
+        let nbytes = t.nbytes();
+        if nbytes % n_expert != 0 {
+            return Err(format!("tensor {}: {nbytes} bytes do not split into {n_expert} experts", t.name));
+        }
+        let mut out = t.clone();
+        out.ne[axis] = k as u64;
+        steps.push(Step { src_start, src: t.clone(), out, slice: Some((slot, nbytes / n_expert)) });
+    }
+    Ok(steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::gguf::encode_header;
+    use crate::llama::sys;
+
+    fn info(name: &str, ne: &[u64], ty: u32) -> TensorInfo {
+        TensorInfo { name: name.into(), ne: ne.to_vec(), ggml_type: ty, offset: 0 }
+    }
+
+    /// Biases, scales, the router's bias and a selection bias are sliced along their outermost
+    /// axis like the weights; a 2-D bias whose width equals the expert count is still sliced
+    /// along ne[1]; shared-expert tensors are copied.
+    #[test]
+    fn every_per_expert_shape_is_sliced_along_its_outermost_axis() {
+        let (f32_, q8) = (sys::GGML_TYPE_F32, sys::GGML_TYPE_Q8_0);
+        let tensors = vec![
+            info("blk.1.ffn_gate_inp.weight", &[64, 8], f32_),
+            info("blk.1.ffn_gate_inp.bias", &[8], f32_),
+            info("blk.1.exp_probs_b.bias", &[8], f32_),
+            info("blk.1.ffn_gate_exps.weight", &[64, 8, 8], q8),
+            info("blk.1.ffn_gate_exps.bias", &[8, 8], f32_),
+            info("blk.1.ffn_down_exps.scale", &[8], f32_),
+            info("blk.1.ffn_down_shexp.weight", &[8, 64], f32_),
+        ];
+        let (head, _) = encode_header(3, &[], &tensors, 32);
+        let size: u64 = tensors.iter().map(|t| crate::formats::gguf::pad(t.nbytes(), 32)).sum();
+        let mut file = head;
+        file.resize(file.len() + size as usize, 0);
+        let h = Header::parse(&file).unwrap();
+        assert_eq!(moe_blocks(&h), vec![1]);
+        let steps = plan(&h, model_per_expert, &[1], 3, 8).unwrap();
+        let got: Vec<(Vec<u64>, Option<(usize, u64)>)> = steps.iter().map(|s| (s.out.ne.clone(), s.slice)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (vec![64, 3], Some((0, 64 * 4))),
+                (vec![3], Some((0, 4))),
+                (vec![3], Some((0, 4))),
+                (vec![64, 8, 3], Some((0, 8 * 2 * 34))),
+                (vec![8, 3], Some((0, 8 * 4))),
+                (vec![3], Some((0, 4))),
+                (vec![8, 64], None),
+            ]
+        );
+        // a per-expert tensor with another expert count, or in a block without a router
+        let e = plan(&h, model_per_expert, &[1], 3, 16).unwrap_err();
+        assert!(e.contains("not the model's expert_count 16"), "{e}");
+        let e = plan(&h, model_per_expert, &[2], 3, 8).unwrap_err();
+        assert!(e.contains("block 1 has no router"), "{e}");
+    }
+
+    #[test]
+    fn per_expert_names_are_recognised_by_role() {
+        assert_eq!(model_per_expert("blk.3.ffn_down_exps.weight"), Ok(Some(3)));
+        assert_eq!(model_per_expert("blk.3.ffn_gate_up_exps.weight"), Ok(Some(3)));
+        assert_eq!(model_per_expert("blk.0.ffn_up_exps.bias"), Ok(Some(0)));
+        assert_eq!(model_per_expert("blk.0.ffn_up_exps.scale"), Ok(Some(0)));
+        assert_eq!(model_per_expert("blk.12.ffn_gate_inp.weight"), Ok(Some(12)));
+        assert_eq!(model_per_expert("blk.12.ffn_gate_inp.bias"), Ok(Some(12)));
+        assert_eq!(model_per_expert("blk.1.exp_probs_b.bias"), Ok(Some(1)));
+        // shared experts, their gate and layer-wide norms are not per expert
+        assert_eq!(model_per_expert("blk.1.ffn_gate_inp_shexp.weight"), Ok(None));
+        assert_eq!(model_per_expert("blk.1.ffn_down_shexp.weight"), Ok(None));
+        assert_eq!(model_per_expert("blk.1.ffn_norm_exps.weight"), Ok(None));
+        assert_eq!(model_per_expert("token_embd.weight"), Ok(None));
+        assert!(model_per_expert("blk.1.ffn_other_exps.weight").is_err());
+        assert_eq!(imatrix_per_expert("blk.2.ffn_down_exps.weight.in_sum2"), Ok(Some(2)));
+        assert_eq!(imatrix_per_expert("blk.2.ffn_gate_exps.weight.counts"), Ok(Some(2)));
+        assert_eq!(imatrix_per_expert("blk.2.ffn_gate_inp.weight.in_sum2"), Ok(None));
+        assert_eq!(imatrix_per_expert("blk.2.ffn_down_shexp.weight.counts"), Ok(None));
+    }
+}

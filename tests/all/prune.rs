@@ -1,0 +1,541 @@
+//! `reap-imatrix prune`: pruned fixtures load and run in upstream llama.cpp, keep-all maps
+//! reproduce the file, sliced imatrices pass upstream llama-quantize, kept experts route and
+//! compute as before, and every bad input is refused with nothing written.
+
+use super::util::*;
+use reap_imatrix::formats::gguf::Header;
+use reap_imatrix::formats::saliency::Saliency;
+use reap_imatrix::formats::trace::TraceReader;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// MoE blocks, experts and experts used of the default fixtures (`util::fixture`).
+const BLOCKS: [u32; 4] = [0, 1, 2, 3];
+const N_EXPERT: u16 = 32;
+
+fn prune(args: &[&std::ffi::OsStr]) -> Output {
+    run(Command::new(ours()).arg("prune").args(args))
+}
+
+/// Runs prune in the output's folder (relative paths in `extra` are relative to it).
+fn prune_ok(model: &Path, map: &Path, out: &Path, extra: &[&str]) -> Output {
+    run_ok(
+        Command::new(ours())
+            .current_dir(out.parent().unwrap())
+            .arg("prune")
+            .arg("-m")
+            .arg(model)
+            .arg("--keep-map")
+            .arg(map)
+            .arg("-o")
+            .arg(out)
+            .args(extra),
+    )
+}
+
+fn write_map(path: &Path, v: Value) -> PathBuf {
+    std::fs::write(path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
+    path.to_path_buf()
+}
+
+/// A map keeping `keep[i]` in block `BLOCKS[i]`.
+fn map_json(keep: &[Vec<u16>]) -> Value {
+    let layers: Vec<Value> = keep.iter().zip(BLOCKS).map(|(k, b)| json!({"layer": b, "keep": k})).collect();
+    json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": keep[0].len(), "layers": layers})
+}
+
+/// Calibrates `model` on the bundled corpus into `dir` (imatrix, saliency JSON, full trace).
+fn calibrate(dir: &Path, model: &Path) {
+    run_ok(Command::new(ours()).current_dir(dir).arg("-m").arg(model).arg("-f").arg(corpus()).args([
+        "-c",
+        "128",
+        "-b",
+        "128",
+        "--chunks",
+        "4",
+        "-t",
+        "2",
+        "--no-ppl",
+        "-o",
+        "imatrix.gguf",
+        "--trace-out",
+        "t.bin",
+    ]));
+}
+
+fn final_ppl(out: &Output) -> f64 {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let line = text.lines().find(|l| l.contains("Final estimate: PPL =")).unwrap_or_else(|| panic!("no final estimate in:\n{text}"));
+    line.split("PPL =").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// Upstream llama-perplexity's final estimate. `-nr` (no weight repacking): on CPUs with AMX
+/// in some VMs the repacked Q8_0/Q4_0 kernels die with SIGILL, for unpruned models too.
+fn upstream_ppl(model: &Path) -> f64 {
+    let out = run_ok(
+        Command::new(reference_bin("llama-perplexity"))
+            .arg("-m")
+            .arg(model)
+            .arg("-f")
+            .arg(corpus())
+            .args(["-c", "128", "--chunks", "3", "-t", "2", "-nr"]),
+    );
+    final_ppl(&out)
+}
+
+fn keep_all() -> Vec<Vec<u16>> {
+    vec![(0..N_EXPERT).collect(); BLOCKS.len()]
+}
+
+#[test]
+fn a_keep_all_map_reproduces_the_model_and_imatrix_byte_for_byte() {
+    for arch in ["qwen3moe", "qwen2moe"] {
+        let d = temp_dir(&format!("prune-keepall-{arch}"));
+        calibrate(&d, &fixture(arch));
+        let map = write_map(&d.join("all.json"), map_json(&keep_all()));
+        prune_ok(&fixture(arch), &map, &d.join("out.gguf"), &["--imatrix", "imatrix.gguf", "--imatrix-out", "out.imatrix.gguf"]);
+        assert_same_bytes(&fixture(arch), &d.join("out.gguf"));
+        assert_same_bytes(&d.join("imatrix.gguf"), &d.join("out.imatrix.gguf"));
+
+        // a map from select records the model it was fitted on, and prune accepts that model
+        run_ok(Command::new(ours()).current_dir(&d).args([
+            "select",
+            "--reap",
+            "imatrix.reap.json",
+            "--method",
+            "frequency",
+            "--k",
+            "6",
+            "--out-dir",
+            "maps",
+        ]));
+        let map = d.join("maps/keep_frequency_k6.json");
+        let v: Value = serde_json::from_slice(&read(&map)).unwrap();
+        let sha = reap_imatrix::formats::sha256::sha256_file(&fixture(arch)).unwrap();
+        assert_eq!((v["model"]["sha256"].as_str(), v["model"]["expert_count"].as_u64()), (Some(sha.as_str()), Some(32)), "{arch}");
+        prune_ok(&fixture(arch), &map, &d.join("k6.gguf"), &[]);
+        let b = read(&d.join("k6.gguf"));
+        assert_eq!(Header::parse(&b).unwrap().uint(&b, &format!("{arch}.expert_count")), Some(6));
+    }
+}
+
+#[test]
+fn a_keep_all_map_reproduces_a_quantized_model_byte_for_byte() {
+    let d = temp_dir("prune-keepall-q8");
+    let model = d.join("q8.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--wtype", "q8_0", "-o"]).arg(&model));
+    let map = write_map(&d.join("all.json"), map_json(&keep_all()));
+    prune_ok(&model, &map, &d.join("out.gguf"), &[]);
+    assert_same_bytes(&model, &d.join("out.gguf"));
+}
+
+/// Upstream llama-perplexity loads each pruned fixture (f16 and Q8_0, both archs) and prints
+/// a finite perplexity; the file says K experts and every per-expert tensor has K along its
+/// outermost dimension.
+#[test]
+fn upstream_llama_perplexity_runs_every_pruned_fixture() {
+    let d = temp_dir("prune-ppl");
+    let q8 = d.join("q8.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--wtype", "q8_0", "--arch", "qwen2moe", "-o"]).arg(&q8));
+    // K = 6 of 32 (above the 4 each token uses), different ids per layer, listed unsorted
+    let keep: Vec<Vec<u16>> = BLOCKS.iter().map(|&b| (0..6).map(|i| (i * 11 + b as u16) % N_EXPERT).collect()).collect();
+    let mut keep_sorted = keep.clone();
+    keep_sorted.iter_mut().for_each(|k| k.sort_unstable());
+    // the map lists ids unsorted: the output is in ascending id order anyway
+    let map = write_map(&d.join("k6.json"), map_json(&keep));
+    for (name, model) in [("q3", fixture("qwen3moe")), ("q2", fixture("qwen2moe")), ("q2-q8", q8)] {
+        let out = d.join(format!("{name}.k6.gguf"));
+        prune_ok(&model, &map, &out, &[]);
+        let ppl = upstream_ppl(&out);
+        assert!(ppl.is_finite() && ppl > 1.0, "{name}: PPL {ppl}");
+        let b = read(&out);
+        let h = Header::parse(&b).unwrap();
+        let arch = h.string(&b, "general.architecture").unwrap();
+        assert_eq!(h.uint(&b, &format!("{arch}.expert_count")), Some(6));
+        let src = read(&model);
+        let hs = Header::parse(&src).unwrap();
+        assert_eq!(h.tensors.len(), hs.tensors.len());
+        for (t, s) in h.tensors.iter().zip(&hs.tensors) {
+            let per_expert = ["_exps.", "ffn_gate_inp.weight"].iter().any(|p| t.name.contains(p));
+            let mut want = s.ne.clone();
+            if per_expert {
+                *want.last_mut().unwrap() = 6;
+            }
+            assert_eq!((&t.name, &t.ne, t.ggml_type), (&s.name, &want, s.ggml_type), "{name}");
+            if per_expert && name == "q2-q8" && s.ne.len() == 3 {
+                // Q8_0: rows of ne[0]/32 blocks of 34 bytes, ne[1] rows per expert
+                let per = (s.ne[0] / 32 * 34 * s.ne[1]) as usize;
+                let (a, o) = ((hs.data_start + s.offset) as usize, (h.data_start + t.offset) as usize);
+                let l = BLOCKS.iter().position(|&blk| t.name.starts_with(&format!("blk.{blk}."))).unwrap();
+                for (j, &e) in keep_sorted[l].iter().enumerate() {
+                    assert!(b[o + j * per..o + (j + 1) * per] == src[a + e as usize * per..a + (e as usize + 1) * per], "{}: expert {e}", t.name);
+                }
+            }
+        }
+    }
+}
+
+/// Element by element, independent of prune's byte runs: out[.., j] = src[.., keep[j]] along
+/// the outermost dimension, on a fixture whose expert FFN width equals its expert count (so
+/// the axis cannot be told by size), f32 so every element is 4 bytes.
+#[test]
+fn experts_are_sliced_along_the_outermost_axis_even_when_sizes_coincide() {
+    let d = temp_dir("prune-axis");
+    let model = d.join("m.gguf");
+    run_ok(
+        Command::new(ours())
+            .args(["fixture", "--wtype", "f32", "--experts", "16", "--expert-ffn", "16", "--dead", "2", "--layers", "2", "-o"])
+            .arg(&model),
+    );
+    let keep: Vec<u16> = vec![1, 2, 5, 8, 11, 15];
+    let map = write_map(&d.join("k.json"), json!({"layers": [keep, keep]}));
+    let out = d.join("out.gguf");
+    prune_ok(&model, &map, &out, &[]);
+    let (src, dst) = (read(&model), read(&out));
+    let (hs, hd) = (Header::parse(&src).unwrap(), Header::parse(&dst).unwrap());
+    let mut checked = 0;
+    for (s, t) in hs.tensors.iter().zip(&hd.tensors) {
+        let elems = |b: &[u8], h: &Header, t: &reap_imatrix::formats::gguf::TensorInfo| -> Vec<u32> {
+            let at = (h.data_start + t.offset) as usize;
+            b[at..at + t.nbytes() as usize].chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
+        };
+        let (a, b) = (elems(&src, &hs, s), elems(&dst, &hd, t));
+        if s.ne == t.ne {
+            assert_eq!(a, b, "{} changed", s.name);
+            continue;
+        }
+        assert_eq!(s.ggml_type, 0, "{}", s.name);
+        let inner: u64 = s.ne[..s.ne.len() - 1].iter().product();
+        assert_eq!(*s.ne.last().unwrap(), 16);
+        for (j, &e) in keep.iter().enumerate() {
+            for i in 0..inner {
+                assert_eq!(b[(j as u64 * inner + i) as usize], a[(e as u64 * inner + i) as usize], "{} expert {e} element {i}", s.name);
+            }
+        }
+        checked += 1;
+    }
+    // per layer: gate, up, down and the router
+    assert_eq!(checked, 8);
+    let ppl = upstream_ppl(&out);
+    assert!(ppl.is_finite(), "PPL {ppl}");
+}
+
+/// The sliced imatrix is what upstream llama-quantize --imatrix needs for the pruned model:
+/// the unsliced one is refused (the control), the sliced one quantizes; its per-expert values
+/// are the kept experts' columns of the original.
+#[test]
+fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
+    for arch in ["qwen3moe", "qwen2moe"] {
+        let d = temp_dir(&format!("prune-quantize-{arch}"));
+        calibrate(&d, &fixture(arch));
+        let keep: Vec<Vec<u16>> = BLOCKS.iter().map(|&b| vec![0, 3, 4, 9, 17, 30 - b as u16]).collect();
+        let map = write_map(&d.join("k6.json"), map_json(&keep));
+        prune_ok(&fixture(arch), &map, &d.join("p.gguf"), &["--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"]);
+        let quantize = |im: &str, out: &str| {
+            run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", im, "p.gguf", out, "Q4_0"]))
+        };
+        let control = quantize("imatrix.gguf", "bad.gguf");
+        let why = String::from_utf8_lossy(&control.stderr);
+        assert!(!control.status.success() && why.contains("is different from tensor size"), "{arch}: the unsliced imatrix: {why}");
+        let ok = quantize("p.imatrix.gguf", "p.q4_0.gguf");
+        assert!(ok.status.success(), "{arch}: {}", String::from_utf8_lossy(&ok.stderr));
+        let ppl = upstream_ppl(&d.join("p.q4_0.gguf"));
+        assert!(ppl.is_finite(), "{arch}: PPL {ppl}");
+
+        let full = reap_imatrix::formats::imatrix::load(&d.join("imatrix.gguf")).unwrap();
+        let sliced = reap_imatrix::formats::imatrix::load(&d.join("p.imatrix.gguf")).unwrap();
+        assert_eq!(full.entries.len(), sliced.entries.len());
+        assert_eq!((full.datasets.clone(), full.chunk_count), (sliced.datasets.clone(), sliced.chunk_count));
+        let mut n_sliced = 0;
+        for (name, f) in &full.entries {
+            let s = &sliced.entries[name];
+            if f.counts.len() == 1 {
+                assert_eq!((&f.sums, &f.counts), (&s.sums, &s.counts), "{name}");
+                continue;
+            }
+            let slot = BLOCKS.iter().position(|&b| name.starts_with(&format!("blk.{b}."))).unwrap();
+            let n_in = f.sums.len() / f.counts.len();
+            for (j, &e) in keep[slot].iter().enumerate() {
+                assert_eq!(s.counts[j], f.counts[e as usize], "{name}");
+                assert_eq!(&s.sums[j * n_in..(j + 1) * n_in], &f.sums[e as usize * n_in..(e as usize + 1) * n_in], "{name}");
+            }
+            n_sliced += 1;
+        }
+        assert_eq!(n_sliced, 3 * BLOCKS.len(), "{arch}: gate, up and down per layer");
+    }
+}
+
+/// One trace row: chunk, pos, token, and per layer the selected ids and their gate weights.
+type TraceRow = (u32, u32, i32, Vec<Vec<u16>>, Vec<Vec<f32>>);
+
+fn trace_rows(p: &Path) -> Vec<TraceRow> {
+    let t = TraceReader::open(p).unwrap();
+    let nl = t.header.n_layers();
+    t.rows()
+        .map(|r| {
+            (
+                r.chunk(),
+                r.pos(),
+                r.token(),
+                (0..nl).map(|l| r.sel_ids(l).to_vec()).collect(),
+                (0..nl).map(|l| r.sel_weights(l).to_vec()).collect(),
+            )
+        })
+        .collect()
+}
+
+fn close(a: f64, b: f64, rel: f64) -> bool {
+    (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-12)
+}
+
+/// Kept experts route and compute as before. Keeping every live expert (the fixture's dead
+/// experts are never chosen) leaves every token's experts in place in every layer: the pruned
+/// model's trace, ids mapped through the map, equals the original's, gate weights agree, and
+/// each kept expert's REAP sums (count, Σg·‖f‖, Σ‖f‖) equal the original's. A map that also
+/// drops live experts keeps, in the first MoE layer (whose input no pruning can change), the
+/// same experts for every token whose top-k were all kept.
+#[test]
+fn kept_experts_route_and_compute_as_in_the_original() {
+    for arch in ["qwen3moe", "qwen2moe"] {
+        let d = temp_dir(&format!("prune-routing-{arch}"));
+        let model = fixture(arch);
+        let orig = d.join("orig");
+        std::fs::create_dir_all(&orig).unwrap();
+        calibrate(&orig, &model);
+        let sal = Saliency::read(&orig.join("imatrix.reap.json")).unwrap();
+        let rows = trace_rows(&orig.join("t.bin"));
+
+        // (1) every live expert kept: K = 28 of 32
+        let live: Vec<Vec<u16>> =
+            sal.layers.iter().map(|l| (0..l.n_expert as u16).filter(|&e| l.count[e as usize] > 0).collect()).collect();
+        let k = live.iter().map(Vec::len).max().unwrap();
+        let keep: Vec<Vec<u16>> = live
+            .iter()
+            .map(|l| {
+                let mut v = l.clone();
+                v.extend((0..N_EXPERT).filter(|e| !l.contains(e)).take(k - l.len()));
+                v.sort_unstable();
+                v
+            })
+            .collect();
+        assert!(k < N_EXPERT as usize, "{arch}: the fixture has dead experts");
+        let map = write_map(&d.join("live.json"), map_json(&keep));
+        let pdir = d.join("live");
+        std::fs::create_dir_all(&pdir).unwrap();
+        prune_ok(&model, &map, &pdir.join("p.gguf"), &[]);
+        calibrate(&pdir, &pdir.join("p.gguf"));
+        let prow = trace_rows(&pdir.join("t.bin"));
+        assert_eq!(rows.len(), prow.len());
+        for (a, b) in rows.iter().zip(&prow) {
+            assert_eq!((a.0, a.1, a.2), (b.0, b.1, b.2));
+            for (l, kept) in keep.iter().enumerate() {
+                let mapped: Vec<u16> = b.3[l].iter().map(|&j| kept[j as usize]).collect();
+                assert_eq!(a.3[l], mapped, "{arch}: chunk {} pos {} layer {l}", a.0, a.1);
+                for (x, y) in a.4[l].iter().zip(&b.4[l]) {
+                    assert!((x - y).abs() < 1e-4, "{arch}: gate weight {x} vs {y}");
+                }
+            }
+        }
+        let psal = Saliency::read(&pdir.join("imatrix.reap.json")).unwrap();
+        for (l, (o, p)) in sal.layers.iter().zip(&psal.layers).enumerate() {
+            assert_eq!(p.n_expert, k);
+            for (j, &e) in keep[l].iter().enumerate() {
+                let e = e as usize;
+                assert_eq!(o.count[e], p.count[j], "{arch}: layer {l} expert {e}");
+                assert!(
+                    close(o.reap_l2_sum[e], p.reap_l2_sum[j], 1e-4),
+                    "{arch}: layer {l} expert {e}: {} vs {}",
+                    o.reap_l2_sum[e],
+                    p.reap_l2_sum[j]
+                );
+                assert!(close(o.ean_sum[e], p.ean_sum[j], 1e-4), "{arch}: layer {l} expert {e}");
+            }
+        }
+
+        // (2) 8 of 32: first MoE layer, tokens whose top-k were all kept
+        // the 8 most used experts of each layer (the heavy hitters and the busiest middle ones)
+        let keep8: Vec<Vec<u16>> = sal
+            .layers
+            .iter()
+            .map(|l| {
+                let mut ids: Vec<u16> = (0..l.n_expert as u16).collect();
+                ids.sort_by_key(|&e| std::cmp::Reverse(l.count[e as usize]));
+                ids.truncate(8);
+                ids.sort_unstable();
+                ids
+            })
+            .collect();
+        let map8 = write_map(&d.join("k8.json"), map_json(&keep8));
+        let p8 = d.join("k8");
+        std::fs::create_dir_all(&p8).unwrap();
+        prune_ok(&model, &map8, &p8.join("p.gguf"), &[]);
+        calibrate(&p8, &p8.join("p.gguf"));
+        let prow8 = trace_rows(&p8.join("t.bin"));
+        let mut compared = 0;
+        for (a, b) in rows.iter().zip(&prow8) {
+            if a.3[0].iter().all(|e| keep8[0].contains(e)) {
+                let mapped: Vec<u16> = b.3[0].iter().map(|&j| keep8[0][j as usize]).collect();
+                assert_eq!(a.3[0], mapped, "{arch}: chunk {} pos {}", a.0, a.1);
+                compared += 1;
+            }
+        }
+        assert!(compared >= 10, "{arch}: only {compared} tokens had all their experts kept");
+    }
+}
+
+// ---- refusals: exit 2, a message naming the problem, nothing written
+
+struct Refusal {
+    dir: PathBuf,
+    out: PathBuf,
+}
+
+impl Refusal {
+    fn new(name: &str) -> Refusal {
+        let dir = temp_dir(&format!("prune-refuse-{name}"));
+        let out = dir.join("out.gguf");
+        Refusal { dir, out }
+    }
+
+    fn map(&self, v: Value) -> PathBuf {
+        write_map(&self.dir.join("map.json"), v)
+    }
+
+    /// Runs prune on the qwen3moe fixture with `map` and `extra`, expects exit 2 with
+    /// `needle` in stderr and no output file.
+    fn expect(&self, map: &Path, extra: &[&str], needle: &str) {
+        let out = run(Command::new(ours())
+            .current_dir(&self.dir)
+            .arg("prune")
+            .arg("-m")
+            .arg(fixture("qwen3moe"))
+            .arg("--keep-map")
+            .arg(map)
+            .arg("-o")
+            .arg(&self.out)
+            .args(extra));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+        assert!(err.contains(needle), "expected {needle:?} in: {err}");
+        assert!(!self.out.exists(), "{} was written", self.out.display());
+        let left: Vec<_> = std::fs::read_dir(&self.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n.to_string_lossy().contains(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "temporary files left: {left:?}");
+    }
+}
+
+fn k6() -> Vec<Vec<u16>> {
+    vec![vec![0, 1, 2, 3, 4, 5]; BLOCKS.len()]
+}
+
+#[test]
+fn prune_refuses_a_map_with_another_layer_count() {
+    let r = Refusal::new("layers");
+    let mut v = map_json(&k6());
+    v["layers"].as_array_mut().unwrap().pop();
+    r.expect(&r.map(v), &[], "3 layers, but the model has 4 MoE layers");
+}
+
+#[test]
+fn prune_refuses_a_map_for_another_expert_count() {
+    let r = Refusal::new("experts");
+    let mut v = map_json(&k6());
+    v["model"] = json!({"path": "other.gguf", "sha256": null, "expert_count": 64});
+    r.expect(&r.map(v), &[], "made for a model with 64 experts per layer; the model has 32");
+}
+
+#[test]
+fn prune_refuses_a_map_for_a_model_with_another_sha256() {
+    let r = Refusal::new("sha");
+    let mut v = map_json(&k6());
+    v["model"] = json!({"path": "other.gguf", "sha256": "0".repeat(64), "expert_count": 32});
+    r.expect(&r.map(v), &[], "made for the model with sha256 0000");
+}
+
+#[test]
+fn prune_refuses_an_expert_id_out_of_range() {
+    let r = Refusal::new("range");
+    let mut keep = k6();
+    keep[2][5] = 32;
+    r.expect(&r.map(map_json(&keep)), &[], "layer 2: expert id 32 is out of range");
+}
+
+#[test]
+fn prune_refuses_a_repeated_expert_id() {
+    let r = Refusal::new("repeat");
+    let mut keep = k6();
+    keep[1][5] = 4;
+    r.expect(&r.map(map_json(&keep)), &[], "lists an expert twice");
+}
+
+#[test]
+fn prune_refuses_a_map_with_different_k_per_layer() {
+    let r = Refusal::new("uneven");
+    let mut keep = k6();
+    keep[3].push(9);
+    let mut v = map_json(&keep);
+    v["k"] = json!(6);
+    r.expect(&r.map(v), &[], "layer 3 keeps 7 experts, layer 0 keeps 6");
+}
+
+#[test]
+fn prune_refuses_k_below_expert_used_count() {
+    let r = Refusal::new("small-k");
+    r.expect(&r.map(map_json(&vec![vec![0, 1, 2]; 4])), &[], "fewer than the 4 each token uses");
+}
+
+#[test]
+fn prune_refuses_to_overwrite_an_input() {
+    let r = Refusal::new("same");
+    let map = r.map(map_json(&k6()));
+    let model = fixture("qwen3moe");
+    let before = read(&model);
+    let out = prune(&[
+        "-m".as_ref(),
+        model.as_os_str(),
+        "--keep-map".as_ref(),
+        map.as_os_str(),
+        "-o".as_ref(),
+        model.as_os_str(),
+        "--force".as_ref(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("the same file as -m"), "{err}");
+    assert_eq!(read(&model), before);
+    // the imatrix output onto the keep map, spelled differently
+    r.expect(&map, &["--imatrix", "nope.gguf", "--imatrix-out", "./map.json"], "--imatrix-out ./map.json: the same file as --keep-map");
+}
+
+#[test]
+fn prune_refuses_an_existing_output_without_force() {
+    let r = Refusal::new("exists");
+    let map = r.map(map_json(&k6()));
+    std::fs::write(&r.out, b"keep me").unwrap();
+    let out =
+        prune(&["-m".as_ref(), fixture("qwen3moe").as_os_str(), "--keep-map".as_ref(), map.as_os_str(), "-o".as_ref(), r.out.as_os_str()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("already exists (pass --force to replace it)"), "{err}");
+    assert_eq!(read(&r.out), b"keep me");
+    prune_ok(&fixture("qwen3moe"), &map, &r.out, &["--force"]);
+    assert!(Header::parse(&read(&r.out)).is_ok());
+}
+
+#[test]
+fn prune_refuses_an_imatrix_of_another_model() {
+    let r = Refusal::new("imatrix");
+    let other = r.dir.join("other.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--experts", "16", "--dead", "2", "-o"]).arg(&other));
+    calibrate(&r.dir, &other);
+    r.expect(
+        &r.map(map_json(&k6())),
+        &["--imatrix", "imatrix.gguf", "--imatrix-out", "out.imatrix.gguf"],
+        "has 16 along its expert axis (ne[1], the outermost), not the model's expert_count 32",
+    );
+    assert!(!r.dir.join("out.imatrix.gguf").exists());
+}
