@@ -60,6 +60,8 @@ enum Command {
     Select(crate::analyze::select::SelectArgs),
     /// Expert-cache simulation over a routing trace.
     Replay(crate::analyze::replay::ReplayArgs),
+    /// Assemble a calibration text from JSONL sources with token-true shares (see docs/corpus.md).
+    Corpus(crate::corpus::CorpusArgs),
     /// Re-run a recorded run (its manifest) and report whether every output is byte-identical.
     Reproduce(crate::analyze::reproduce::ReproduceArgs),
 }
@@ -83,6 +85,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Select(args) => crate::analyze::select::run(&args),
         Command::Replay(args) => crate::analyze::replay::run(&args),
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
+        Command::Corpus(args) => crate::corpus::run(&args),
     }
 }
 

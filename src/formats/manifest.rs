@@ -32,6 +32,8 @@ pub struct Manifest {
     pub outputs: Vec<FileRecord>,
     /// what makes the numbers machine-dependent (absent in manifests written before it existed)
     pub platform: Option<Platform>,
+    /// which chunks of the corpus the run evaluated (the saliency JSON's `coverage` object)
+    pub coverage: Option<Value>,
 }
 
 /// The machine a run computed on: llama.cpp's system info, the CPU features it reports as on
@@ -116,6 +118,7 @@ impl Manifest {
             "inputs": self.inputs.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
             "outputs": self.outputs.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
             "platform": self.platform.as_ref().map(Platform::to_json),
+            "coverage": self.coverage,
         })
     }
 
@@ -155,6 +158,7 @@ impl Manifest {
             inputs: files("inputs")?,
             outputs: files("outputs")?,
             platform: v.get("platform").filter(|p| p.is_object()).map(Platform::from_json),
+            coverage: v.get("coverage").filter(|c| c.is_object()).cloned(),
         })
     }
 }
@@ -174,6 +178,7 @@ mod tests {
             inputs: vec![FileRecord { role: "model".into(), path: "m.gguf".into(), size: 3, sha256: "00".into() }],
             outputs: vec![FileRecord { role: "imatrix".into(), path: "i.gguf".into(), size: 5, sha256: "11".into() }],
             platform: Some(Platform { system_info: "CPU : AVX2 = 1 | ".into(), cpu_features: vec!["AVX2".into()], devices: vec!["CPU: x".into()] }),
+            coverage: Some(json!({"chunk_indices": [0, 5]})),
         };
         assert_eq!(Manifest::from_json(&m.to_json()).unwrap(), m);
         assert!(Manifest::from_json(&json!({"format": "x"})).is_err());

@@ -35,7 +35,7 @@ fn skewed_layer(layer: u32, n: usize, dead: &[usize]) -> LayerSums {
 
 fn write_saliency(dir: &Path, layers: Vec<LayerSums>, trace_rows: u64) -> PathBuf {
     let s =
-        Saliency { tokens: layers[0].tokens, nonfinite_drops: 0, trace_tokens_written: trace_rows, metadata: Default::default(), layers };
+        Saliency { tokens: layers[0].tokens, nonfinite_drops: 0, trace_tokens_written: trace_rows, metadata: Default::default(), layers, ..Default::default() };
     let p = dir.join("run.reap.json");
     s.write(&p).unwrap();
     p
