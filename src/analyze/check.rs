@@ -63,6 +63,34 @@ pub fn check_saliency(s: &Saliency, normalised: Option<bool>, top: usize, rep: &
     for l in &s.layers {
         check_layer(l, s.tokens, normalised, top, rep);
     }
+    if !s.domains.is_empty() {
+        check_domains(s, rep);
+    }
+}
+
+/// Per-domain sums (`--domains`) add up to the whole run: tokens and counts exactly, the float
+/// sums up to the order of addition.
+fn check_domains(s: &Saliency, rep: &mut Report) {
+    let tokens: u64 = s.domains.iter().map(|d| d.tokens).sum();
+    rep.check(tokens == s.tokens, format!("domains: Σ tokens over {} domains = {tokens} = tokens {}", s.domains.len(), s.tokens));
+    for (slot, l) in s.layers.iter().enumerate() {
+        let id = format!("layer {}", l.layer);
+        let parts: Vec<&crate::formats::saliency::DomainLayer> = s.domains.iter().filter_map(|d| d.layers.get(slot)).collect();
+        let shaped = parts.len() == s.domains.len() && parts.iter().all(|p| p.layer == l.layer && p.count.len() == l.n_expert);
+        rep.check(shaped, format!("{id}: every domain has this layer with {} experts", l.n_expert));
+        if !shaped {
+            continue;
+        }
+        let count_off: Vec<usize> = (0..l.n_expert).filter(|&e| parts.iter().map(|p| p.count[e]).sum::<u64>() != l.count[e]).collect();
+        rep.check(count_off.is_empty(), format!("{id}: Σ_domains count = count{}", list_if_any(&count_off)));
+        for (name, whole, part) in [
+            ("prob_sum", &l.prob_sum, parts.iter().map(|p| &p.prob_sum).collect::<Vec<_>>()),
+            ("reap_l2_sum", &l.reap_l2_sum, parts.iter().map(|p| &p.reap_l2_sum).collect()),
+        ] {
+            let off: Vec<usize> = (0..l.n_expert).filter(|&e| !close(part.iter().map(|p| p[e]).sum(), whole[e], 1e-9)).collect();
+            rep.check(off.is_empty(), format!("{id}: Σ_domains {name} = {name}{}", list_if_any(&off)));
+        }
+    }
 }
 
 fn check_layer(l: &LayerSums, tokens: u64, normalised: Option<bool>, top: usize, rep: &mut Report) {
@@ -205,6 +233,29 @@ mod tests {
         l.reap_l2_sq_sum = vec![3.0, 2.0, 1.0, 0.0];
         l.ean_sum = vec![6.0, 4.0, 2.0, 0.0];
         l
+    }
+
+    #[test]
+    fn domain_parts_must_add_up() {
+        use crate::formats::saliency::{DomainLayer, DomainSums};
+        let l = layer();
+        let part = |count: Vec<u64>, p: Vec<f64>, r: Vec<f64>| DomainLayer { layer: 0, count, prob_sum: p, reap_l2_sum: r };
+        let mut s = Saliency { tokens: 3, layers: vec![l], ..Default::default() };
+        s.domains = vec![
+            DomainSums { name: "a".into(), tokens: 2, layers: vec![part(vec![2, 1, 1, 0], vec![1.0, 0.5, 0.5, 0.0], vec![2.0, 1.0, 1.0, 0.0])] },
+            DomainSums { name: "b".into(), tokens: 1, layers: vec![part(vec![1, 1, 0, 0], vec![0.5, 0.5, 0.0, 0.0], vec![1.0, 1.0, 0.0, 0.0])] },
+        ];
+        let mut r = Report::default();
+        check_saliency(&s, Some(true), 2, &mut r);
+        assert!(r.all_hold(), "{:?}", r.findings);
+        s.domains[1].layers[0].count[1] = 2;
+        s.domains[1].layers[0].reap_l2_sum[0] = 1.5;
+        s.domains[0].tokens = 3;
+        let mut r = Report::default();
+        check_saliency(&s, Some(true), 2, &mut r);
+        let failed: Vec<&str> = r.findings.iter().filter(|f| !f.ok).map(|f| f.what.as_str()).collect();
+        assert_eq!(failed.len(), 3, "{failed:?}");
+        assert!(failed[1].contains("count = count (fails for experts [1])") && failed[2].contains("reap_l2_sum (fails for experts [0])"), "{failed:?}");
     }
 
     fn verdict(l: LayerSums, tokens: u64, drops: u64) -> Report {

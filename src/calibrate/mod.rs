@@ -646,6 +646,9 @@ fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&
     if let Some(f) = &plan.args.file {
         inputs.push(FileRecord::of("corpus", f, &cwd)?);
     }
+    if let Some(f) = &plan.args.domains {
+        inputs.push(FileRecord::of("domains", f, &cwd)?);
+    }
     for f in &plan.in_files {
         inputs.push(FileRecord::of("in_file", f, &cwd)?);
     }

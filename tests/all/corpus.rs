@@ -257,3 +257,26 @@ fn bad_input_is_named_and_nothing_is_written() {
         assert!(!d.join("x.txt").exists() && !d.join("x.domains.tsv").exists() && !d.join("x.report.json").exists());
     }
 }
+
+/// The bundled mix is what `corpus` makes of the bundled sources for the fixture's vocab.
+#[test]
+fn the_bundled_mix_is_up_to_date() {
+    let d = temp_dir("corpus-bundled");
+    let src = |n: &str| format!("{n}={}", repo().join(format!("corpus/sources/{n}.jsonl")).display());
+    let out = corpus_cmd(
+        &d,
+        &fixture("qwen3moe"),
+        &["--source", &src("prose"), "--source", &src("code"), "--source", &src("ja"), "--source", &src("chat"), "--tokens", "36000", "-o", "mix.txt"],
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_same_bytes(&d.join("mix.txt"), &repo().join("corpus/mix.txt"));
+    assert_same_bytes(&d.join("mix.domains.tsv"), &repo().join("corpus/mix.domains.tsv"));
+    let (mut a, mut b) = (report(&d, "mix"), report(&repo().join("corpus"), "mix"));
+    for r in [&mut a, &mut b] {
+        r["model"] = Value::Null;
+        for s in r["sources"].as_array_mut().unwrap() {
+            s["file"] = Value::Null;
+        }
+    }
+    assert_eq!(a, b);
+}

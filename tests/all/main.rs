@@ -2,6 +2,7 @@
 
 mod build_steps;
 mod corpus;
+mod coverage;
 mod drop_in;
 mod fixture;
 mod manifest;
