@@ -89,6 +89,34 @@ pub fn check_saliency(s: &Saliency, gating: Gating, top: usize, rep: &mut Report
     if s.layers.iter().any(|l| l.reference.is_none()) {
         rep.notes.push("no reap_softmax_l2_sum / max_activation (a file from before they were collected): their invariants not checked".into());
     }
+    if !s.domains.is_empty() {
+        check_domains(s, rep);
+    }
+}
+
+/// Per-domain sums (`--domains`) add up to the whole run: tokens and counts exactly, the float
+/// sums up to the order of addition.
+fn check_domains(s: &Saliency, rep: &mut Report) {
+    let tokens: u64 = s.domains.iter().map(|d| d.tokens).sum();
+    rep.check(tokens == s.tokens, format!("domains: Σ tokens over {} domains = {tokens} = tokens {}", s.domains.len(), s.tokens));
+    for (slot, l) in s.layers.iter().enumerate() {
+        let id = format!("layer {}", l.layer);
+        let parts: Vec<&crate::formats::saliency::DomainLayer> = s.domains.iter().filter_map(|d| d.layers.get(slot)).collect();
+        let shaped = parts.len() == s.domains.len() && parts.iter().all(|p| p.layer == l.layer && p.count.len() == l.n_expert);
+        rep.check(shaped, format!("{id}: every domain has this layer with {} experts", l.n_expert));
+        if !shaped {
+            continue;
+        }
+        let count_off: Vec<usize> = (0..l.n_expert).filter(|&e| parts.iter().map(|p| p.count[e]).sum::<u64>() != l.count[e]).collect();
+        rep.check(count_off.is_empty(), format!("{id}: Σ_domains count = count{}", list_if_any(&count_off)));
+        for (name, whole, part) in [
+            ("prob_sum", &l.prob_sum, parts.iter().map(|p| &p.prob_sum).collect::<Vec<_>>()),
+            ("reap_l2_sum", &l.reap_l2_sum, parts.iter().map(|p| &p.reap_l2_sum).collect()),
+        ] {
+            let off: Vec<usize> = (0..l.n_expert).filter(|&e| !close(part.iter().map(|p| p[e]).sum(), whole[e], 1e-9)).collect();
+            rep.check(off.is_empty(), format!("{id}: Σ_domains {name} = {name}{}", list_if_any(&off)));
+        }
+    }
 }
 
 fn check_layer(l: &LayerSums, tokens: u64, gating: Gating, top: usize, rep: &mut Report) {
@@ -313,6 +341,29 @@ mod tests {
             max_activation: vec![Some(1.5), Some(-0.5), Some(2.0), None],
         });
         l
+    }
+
+    #[test]
+    fn domain_parts_must_add_up() {
+        use crate::formats::saliency::{DomainLayer, DomainSums};
+        let l = layer();
+        let part = |count: Vec<u64>, p: Vec<f64>, r: Vec<f64>| DomainLayer { layer: 0, count, prob_sum: p, reap_l2_sum: r };
+        let mut s = Saliency { tokens: 3, layers: vec![l], ..Default::default() };
+        s.domains = vec![
+            DomainSums { name: "a".into(), tokens: 2, layers: vec![part(vec![2, 1, 1, 0], vec![1.0, 0.5, 0.5, 0.0], vec![2.0, 1.0, 1.0, 0.0])] },
+            DomainSums { name: "b".into(), tokens: 1, layers: vec![part(vec![1, 1, 0, 0], vec![0.5, 0.5, 0.0, 0.0], vec![1.0, 1.0, 0.0, 0.0])] },
+        ];
+        let mut r = Report::default();
+        check_saliency(&s, NORMALISED, 2, &mut r);
+        assert!(r.all_hold(), "{:?}", r.findings);
+        s.domains[1].layers[0].count[1] = 2;
+        s.domains[1].layers[0].reap_l2_sum[0] = 1.5;
+        s.domains[0].tokens = 3;
+        let mut r = Report::default();
+        check_saliency(&s, NORMALISED, 2, &mut r);
+        let failed: Vec<&str> = r.findings.iter().filter(|f| !f.ok).map(|f| f.what.as_str()).collect();
+        assert_eq!(failed.len(), 3, "{failed:?}");
+        assert!(failed[1].contains("count = count (fails for experts [1])") && failed[2].contains("reap_l2_sum (fails for experts [0])"), "{failed:?}");
     }
 
     const NORMALISED: Gating = Gating { normalised: Some(true), softmax: true, gate_is_p: false };

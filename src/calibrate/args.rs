@@ -136,6 +136,19 @@ pub struct ImatrixArgs {
     #[arg(long = "trace-top-n", value_name = "N", help_heading = "REAP")]
     pub trace_top_n: Option<usize>,
 
+    /// which --chunks chunks of the corpus to evaluate: prefix (upstream: the first ones), even
+    /// (spread over the whole corpus), seeded (drawn without replacement with --seed)
+    #[arg(long = "chunk-sampling", value_name = "prefix|even|seeded", default_value = "prefix", help_heading = "Coverage")]
+    pub chunk_sampling: crate::calibrate::coverage::ChunkSampling,
+
+    /// seed of --chunk-sampling seeded
+    #[arg(long = "seed", value_name = "N", default_value_t = 0, help_heading = "Coverage")]
+    pub seed: u64,
+
+    /// MIX.domains.tsv (from `reap-imatrix corpus`): per-domain coverage and REAP sums
+    #[arg(long = "domains", value_name = "TSV", help_heading = "Coverage")]
+    pub domains: Option<PathBuf>,
+
     /// run manifest (default: beside -o, `<stem>.manifest.json`)
     #[arg(long = "manifest-out", value_name = "PATH", help_heading = "REAP")]
     pub manifest_out: Option<PathBuf>,

@@ -4,6 +4,7 @@
 //! over the second half of each chunk.
 
 pub mod args;
+pub mod coverage;
 pub mod metadata;
 pub mod observer;
 pub mod perplexity;
@@ -187,8 +188,19 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         w.send(plan.job(SaveRequest { at: None, state: collector.state }));
         w.finish()?;
         let model = FileRecord::of("model", &model_path, &std::env::current_dir()?)?;
-        return write_manifest(&plan, argv, model, &[], None);
+        return write_manifest(&plan, argv, model, &[], None, None);
     };
+    // bad ranges fail before the model is loaded; they refer to the file's bytes
+    let domains = match &plan.args.domains {
+        Some(p) => {
+            let file_len = std::fs::metadata(&text_path).map(|m| m.len()).unwrap_or(text.len() as u64);
+            Some(crate::formats::domains::Domains::read(p, file_len)?)
+        }
+        None => None,
+    };
+    if domains.is_some() && plan.reap_out.is_none() {
+        eprintln!("note: --domains with --no-reap: per-domain coverage is printed, no per-domain sums are collected");
+    }
     let model_size = std::fs::metadata(&model_path).map(|m| m.len()).unwrap_or(0);
     // hashing a large model takes a while: once per file version (cached), beside the compute
     let model_sha = {
@@ -219,10 +231,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         chunks_done: 0,
         at_files: Vec::new(),
         chunk_base: ctx.observer().imatrix.state.last_chunk,
+        coverage: None,
     };
     // from here a first SIGINT/SIGTERM stops the run between ubatches, with its outputs written
     let _graceful = crate::interrupt::graceful();
-    let outcome = compute(&plan, &mut ctx, &text, &mut out);
+    let outcome = compute(&plan, &mut ctx, &text, domains.as_ref(), &mut out);
     // queued checkpoints are consistent states: they go to disk whatever happened
     out.flush(&mut ctx);
     let interrupted = match outcome {
@@ -274,7 +287,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         Some(h) => FileRecord { role: "model".into(), path: model_path.clone(), size: model_size, sha256: h.clone() },
         None => FileRecord::of("model", &model_path, &std::env::current_dir()?)?,
     };
-    write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i))?;
+    write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;
     eprintln!(
         "collection: {:.3} s inside the eval callback over {} chunks",
         ctx.observer().busy.as_secs_f64(),
@@ -315,6 +328,8 @@ struct Outputs<'p> {
     at_files: Vec<PathBuf>,
     /// the imatrix's chunk count before this run (merged --in-file): checkpoints count from it
     chunk_base: i32,
+    /// which chunks are evaluated (set before the first one)
+    coverage: Option<Value>,
 }
 
 impl Outputs<'_> {
@@ -325,6 +340,8 @@ impl Outputs<'_> {
             "chunks": a.chunks, "chunks_done": self.chunks_done, "from_chunk": a.chunk,
             "output_frequency": a.output_frequency, "threads": a.threads, "n_gpu_layers": a.n_gpu_layers,
             "trace_top_n": a.trace_top_n_or_default(), "trace_tokens": a.trace_tokens,
+            "chunk_sampling": a.chunk_sampling.name(), "seed": a.seed,
+            "domains": a.domains.as_ref().map(|p| p.to_string_lossy().into_owned()),
         })
     }
 
@@ -339,6 +356,7 @@ impl Outputs<'_> {
             "layers": s.layers.iter().map(|l| json!({"layer": l.layer, "n_expert": l.n_expert, "n_expert_used": l.n_expert_used})).collect::<Vec<_>>(),
         });
         s.metadata = metadata::assemble(self.model_block.clone(), self.corpus_block.clone(), self.run_block(), routing);
+        s.coverage = self.coverage.clone();
         s
     }
 
@@ -396,6 +414,9 @@ impl Outputs<'_> {
     }
 }
 
+/// The domain of tokens that start outside every range of a `--domains` file.
+pub const NO_DOMAIN: &str = "(none)";
+
 /// Two spellings of one path (`a.json`, `./a.json`), compared without touching the disk.
 fn same_file(a: &Path, b: &Path) -> bool {
     let norm = |p: &Path| -> PathBuf { p.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect() };
@@ -422,7 +443,7 @@ pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
         "dio" => llama::sys::LLAMA_LOAD_MODE_DIRECT_IO,
         m => bail!(UsageError(format!("-lm: unknown load mode '{m}'"))),
     };
-    Ok(ModelParams { n_gpu_layers, load_mode, rpc_servers: args.rpc.clone() })
+    Ok(ModelParams { n_gpu_layers, load_mode, rpc_servers: args.rpc.clone(), vocab_only: false })
 }
 
 fn context_params(plan: &Plan) -> Result<ContextParams> {
@@ -451,7 +472,7 @@ fn context_params(plan: &Plan) -> Result<ContextParams> {
 }
 
 /// The chunk loop. Returns the signal and where it stopped the run, when one did.
-fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8], outputs: &mut Outputs) -> Result<Option<(i32, Interruption)>> {
+fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8], domains: Option<&crate::formats::domains::Domains>, outputs: &mut Outputs) -> Result<Option<(i32, Interruption)>> {
     let model = ctx.model();
     let vocab = model.vocab();
     let add_bos = vocab.add_bos();
@@ -463,6 +484,20 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
     eprintln!("compute_imatrix: tokenizing the input ..");
     let mut tokens = vocab.tokenize(text, true, plan.args.parse_special)?;
     eprintln!("compute_imatrix: tokenization took {:.3} ms", t0.elapsed().as_secs_f64() * 1e3);
+    // with --domains: every token's domain, from the byte its token starts at
+    let (domain_names, mut token_domain) = match domains {
+        Some(d) => {
+            let offsets = vocab.token_offsets(text, &tokens).context("--domains: mapping tokens to byte offsets")?;
+            let mut names = d.names();
+            let none = names.len() as u16;
+            let ids: Vec<u16> = d.domain_of_offsets(&offsets).into_iter().map(|x| x.unwrap_or(none)).collect();
+            if ids.contains(&none) {
+                names.push(NO_DOMAIN.to_string());
+            }
+            (names, ids)
+        }
+        None => (Vec::new(), Vec::new()),
+    };
     let i_chunk = plan.args.chunk.max(0) as usize;
     if i_chunk > 0 {
         if (i_chunk + 2) * n_ctx >= tokens.len() {
@@ -470,6 +505,9 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
         }
         eprintln!("compute_imatrix: removing initial {i_chunk} chunks ({} tokens)", i_chunk * n_ctx);
         tokens.drain(..i_chunk * n_ctx);
+        if !token_domain.is_empty() {
+            token_domain.drain(..i_chunk * n_ctx);
+        }
     }
     if tokens.len() < 2 * n_ctx {
         bail!(UsageError(format!(
@@ -480,6 +518,33 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
     }
     let n_chunk_max = tokens.len() / n_ctx;
     let n_chunk = if plan.args.chunks < 0 { n_chunk_max } else { (plan.args.chunks as usize).min(n_chunk_max) };
+    let chunk_ids = coverage::chunk_indices(plan.args.chunk_sampling, n_chunk_max, n_chunk, plan.args.seed);
+    let cov = coverage::Coverage {
+        sampling: plan.args.chunk_sampling,
+        seed: plan.args.seed,
+        n_ctx,
+        corpus_tokens: tokens.len() as u64,
+        chunks_total: n_chunk_max,
+        domains: domain_names
+            .iter()
+            .enumerate()
+            .map(|(d, name)| {
+                let of = |ts: &[u16]| ts.iter().filter(|&&x| x as usize == d).count() as u64;
+                let evaluated = chunk_ids.iter().map(|&c| of(&token_domain[c * n_ctx..(c + 1) * n_ctx])).sum();
+                (name.clone(), of(&token_domain), evaluated)
+            })
+            .collect(),
+        chunk_indices: chunk_ids.clone(),
+    };
+    for line in cov.describe() {
+        eprintln!("{line}");
+    }
+    outputs.coverage = Some(cov.to_json());
+    if !domain_names.is_empty() {
+        if let Some(r) = ctx.observer_mut().reap.as_mut() {
+            r.sums.domains = Some(crate::collect::reap::DomainSplit::new(domain_names.clone()));
+        }
+    }
     let n_vocab = vocab.n_tokens() as usize;
     let n_batch = plan.n_batch as usize;
     let n_seq = plan.n_seq as usize;
@@ -496,19 +561,18 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
     let mut out = std::io::stdout().lock();
     let mut i = 0;
     while i < n_chunk {
-        let start = i * n_ctx;
-        let end = start + n_ctx;
         let n_seq_batch = n_seq.min(n_chunk - i);
+        // the corpus chunks of this batch's sequences (consecutive under prefix sampling)
+        let seq_chunks = &chunk_ids[i..i + n_seq_batch];
         let t_start = Instant::now();
         ctx.observer_mut().chunk = i as i32 + 1;
         ctx.clear_memory();
         for j in 0..num_batches {
-            let batch_start = start + j * n_batch;
-            let batch_size = (end - batch_start).min(n_batch);
+            let batch_size = (n_ctx - j * n_batch).min(n_batch);
             batch.clear();
             let mut fed: Vec<i32> = Vec::with_capacity(n_seq_batch * batch_size);
             for seq in 0..n_seq_batch {
-                let seq_start = batch_start + seq * n_ctx;
+                let seq_start = seq_chunks[seq] * n_ctx + j * n_batch;
                 for k in 0..batch_size {
                     // BOS replaces the first token of each chunk when the vocab adds BOS
                     let tok = if add_bos && j == 0 && k == 0 { vocab.bos() } else { tokens[seq_start + k] };
@@ -517,7 +581,8 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
                 }
             }
             if let Some(r) = ctx.observer_mut().reap.as_mut() {
-                r.batch = batch_rows(i, j * n_batch, batch_size, n_seq_batch, plan.args.ubatch_size.min(plan.n_batch) as usize, &fed);
+                let dom = |chunk: u32, pos: u32| token_domain.get(chunk as usize * n_ctx + pos as usize).copied();
+                r.batch = batch_rows(seq_chunks, j * n_batch, batch_size, plan.args.ubatch_size.min(plan.n_batch) as usize, &fed, dom);
             }
             // Without perplexity or --process-output nobody reads the logits. When this decode
             // is one ubatch and the last of its chunk (the KV cache is cleared next, so the
@@ -574,7 +639,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             let first = n_ctx / 2;
             for seq in 0..n_seq_batch {
                 let all: &[f32] = if num_batches > 1 { &logits } else { &ctx.logits((seq + 1) * n_ctx)[seq * n_ctx * n_vocab..] };
-                let toks = &tokens[start + seq * n_ctx + first..];
+                let toks = &tokens[seq_chunks[seq] * n_ctx + first..];
                 ppl.add_chunk(&all[first * n_vocab..], toks, n_ctx - 1 - first, n_vocab);
                 write!(out, "[{}]{:.4},", i + seq + 1, ppl.ppl())?;
             }
@@ -598,14 +663,17 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
     Ok(None)
 }
 
-/// The rows of every ubatch of one batch: `n_seq` sequences (chunks `chunk0..`), each
-/// `len` tokens from position `pos0`; `fed` is what the batch holds, sequence after sequence.
-fn batch_rows(chunk0: usize, pos0: usize, len: usize, n_seq: usize, n_ubatch: usize, fed: &[i32]) -> observer::BatchRows {
+/// The rows of every ubatch of one batch: one sequence per corpus chunk in `chunks`, each
+/// `len` tokens from position `pos0`; `fed` is what the batch holds, sequence after sequence;
+/// `domain(chunk, pos)` the domain of a row (None without `--domains`). A row's `chunk` is the
+/// index of its chunk in the tokenised corpus (after `--chunk`), so a sampled run's trace rows
+/// say where in the corpus they come from.
+fn batch_rows(chunks: &[usize], pos0: usize, len: usize, n_ubatch: usize, fed: &[i32], domain: impl Fn(u32, u32) -> Option<u16>) -> observer::BatchRows {
     let layout = BatchLayout {
-        seqs: (0..n_seq).map(|s| SeqSpan { chunk: (chunk0 + s) as u32, pos0: pos0 as u32, tok0: s * len, len }).collect(),
+        seqs: chunks.iter().enumerate().map(|(s, &c)| SeqSpan { chunk: c as u32, pos0: pos0 as u32, tok0: s * len, len }).collect(),
         n_ubatch,
     };
-    let ubatches = layout
+    let ubatches: Vec<Vec<(u32, u32, i32)>> = layout
         .ubatches()
         .into_iter()
         .map(|u| {
@@ -617,16 +685,20 @@ fn batch_rows(chunk0: usize, pos0: usize, len: usize, n_seq: usize, n_ubatch: us
                 .collect()
         })
         .collect();
-    observer::BatchRows { ubatches, current: None }
+    let domains = ubatches.iter().map(|u| u.iter().filter_map(|&(c, p, _)| domain(c, p)).collect()).collect();
+    observer::BatchRows { ubatches, domains, current: None }
 }
 
 /// Records what was run, on what, and what came out (see formats::manifest).
-fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&str, PathBuf)], interrupted: Option<&Interruption>) -> Result<()> {
+fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&str, PathBuf)], interrupted: Option<&Interruption>, coverage: Option<Value>) -> Result<()> {
     use crate::formats::manifest::Manifest;
     let cwd = std::env::current_dir().context("reading the working folder")?;
     let mut inputs = vec![model];
     if let Some(f) = &plan.args.file {
         inputs.push(FileRecord::of("corpus", f, &cwd)?);
+    }
+    if let Some(f) = &plan.args.domains {
+        inputs.push(FileRecord::of("domains", f, &cwd)?);
     }
     for f in &plan.in_files {
         inputs.push(FileRecord::of("in_file", f, &cwd)?);
@@ -645,6 +717,7 @@ fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&
         outputs: outs,
         platform: Some(crate::formats::manifest::Platform::current()),
         interrupted: interrupted.cloned(),
+        coverage,
     };
     m.write(&plan.manifest_path())
 }

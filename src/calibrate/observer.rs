@@ -18,6 +18,8 @@ pub struct Checkpoint {
 pub struct BatchRows {
     /// per ubatch, per row: (chunk, pos, token id)
     pub ubatches: Vec<Vec<(u32, u32, i32)>>,
+    /// per ubatch, per row: the row's domain (`--domains`; empty without)
+    pub domains: Vec<Vec<u16>>,
     /// index of the ubatch being computed (None before the ubatch's first node)
     pub current: Option<usize>,
 }
@@ -101,6 +103,15 @@ impl CalibrationObserver {
             trace_tokens_written: r.trace.as_ref().map_or(0, |t| t.rows.min(r.sums.tokens_seen)),
             metadata: Default::default(),
             layers: r.sums.layers.clone(),
+            coverage: None,
+            domains: r.sums.domains.as_ref().map_or_else(Vec::new, |d| {
+                d.names
+                    .iter()
+                    .zip(&d.tokens)
+                    .zip(d.complete(&r.sums.layers))
+                    .map(|((name, &tokens), layers)| crate::formats::saliency::DomainSums { name: name.clone(), tokens, layers })
+                    .collect()
+            }),
         })
     }
 
@@ -154,6 +165,9 @@ impl CalibrationObserver {
             }
             let r = self.reap.as_mut().unwrap();
             r.batch.current = Some(next);
+            if let (Some(d), Some(rows)) = (r.sums.domains.as_mut(), r.batch.domains.get(next)) {
+                d.rows.clone_from(rows);
+            }
             check_ubatch_tokens(&r.batch, next, node, &mut self.scratch_a)
         } else if let Some(block) = layer_of(name, PROBS) {
             let t = node.info();

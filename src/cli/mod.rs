@@ -65,6 +65,8 @@ enum Command {
     Prune(crate::analyze::prune::PruneArgs),
     /// Expert-cache simulation over a routing trace.
     Replay(crate::analyze::replay::ReplayArgs),
+    /// Assemble a calibration text from JSONL sources with token-true shares (see docs/corpus.md).
+    Corpus(crate::corpus::CorpusArgs),
     /// Re-run a recorded run (its manifest) and report whether every output is byte-identical.
     Reproduce(crate::analyze::reproduce::ReproduceArgs),
     /// Write a saliency JSON in another tool's terms (CerebrasResearch/reap's observer state).
@@ -94,6 +96,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Replay(args) => crate::analyze::replay::run(&args),
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
         Command::Export(args) => crate::analyze::export::run(&args),
+        Command::Corpus(args) => crate::corpus::run(&args),
     }
 }
 

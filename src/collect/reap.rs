@@ -27,7 +27,7 @@
 //! A (token, layer) whose gate, router probability or norm is not finite is left out of every
 //! sum and counted.
 
-use crate::formats::saliency::{LayerSums, ReferenceSums};
+use crate::formats::saliency::{DomainLayer, LayerSums, ReferenceSums};
 use crate::llama::TensorInfo;
 
 /// Routing of one layer for the ubatch in flight, kept for the trace.
@@ -60,6 +60,8 @@ pub struct ReapCollector {
     pub tokens_seen: u64,
     /// routing of the current ubatch, per MoE layer slot
     pub routing: Vec<LayerRouting>,
+    /// per-domain sums (`--domains`); None without
+    pub domains: Option<DomainSplit>,
 }
 
 /// The MoE layer index from a node name such as `ffn_moe_topk-12`.
@@ -203,6 +205,9 @@ impl ReapCollector {
         let n_expert = sums.n_expert;
         if slot == 0 {
             self.tokens_seen += n_tokens as u64;
+            if let Some(d) = self.domains.as_mut() {
+                d.count_tokens(n_tokens)?;
+            }
         }
         let mut reference = sums.reference.take().unwrap_or_else(|| ReferenceSums::new(n_expert));
         let mut gates = vec![0f64; k];
@@ -243,9 +248,84 @@ impl ReapCollector {
                     *best = Some(m);
                 }
             }
+            if let Some(d) = self.domains.as_mut() {
+                d.add(slot, sums, tok, &r.sel_id[tok * k..(tok + 1) * k], &gates, &r.norms[tok * k..(tok + 1) * k]);
+            }
         }
         sums.reference = Some(reference);
         Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-domain sums (`--domains`, docs/corpus.md). Each token of a ubatch carries the domain of the
+// corpus byte its token starts at; the token's contributions to `count`, `prob_sum` and
+// `reap_l2_sum` go to that domain's arrays too, in the same order and with the same values as to
+// the whole-run arrays, so per layer Σ_domains count = count exactly and the float sums agree up
+// to the order of addition. Per-domain `tokens` counts tokens as `tokens_seen` does.
+
+/// Per-domain sums of every MoE layer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DomainSplit {
+    pub names: Vec<String>,
+    /// tokens per domain
+    pub tokens: Vec<u64>,
+    /// [domain][layer slot]
+    pub layers: Vec<Vec<DomainLayer>>,
+    /// the domain of each row of the ubatch in flight (set before the ubatch is computed)
+    pub rows: Vec<u16>,
+}
+
+impl DomainSplit {
+    pub fn new(names: Vec<String>) -> Self {
+        let n = names.len();
+        DomainSplit { names, tokens: vec![0; n], layers: vec![Vec::new(); n], rows: Vec::new() }
+    }
+
+    fn count_tokens(&mut self, n_tokens: usize) -> Result<(), String> {
+        if self.rows.len() != n_tokens {
+            return Err(format!("domains: the ubatch has {n_tokens} tokens but {} rows have a domain", self.rows.len()));
+        }
+        for &d in &self.rows {
+            self.tokens[d as usize] += 1;
+        }
+        Ok(())
+    }
+
+    /// Adds token `tok`'s routed experts (`ids`, gates, norms) of layer `slot` (whose shape
+    /// `sums` gives) to its domain.
+    fn add(&mut self, slot: usize, sums: &LayerSums, tok: usize, ids: &[u16], gates: &[f64], norms: &[f64]) {
+        let d = self.rows[tok] as usize;
+        let layers = &mut self.layers[d];
+        while layers.len() <= slot {
+            layers.push(DomainLayer { layer: u32::MAX, ..Default::default() });
+        }
+        let l = &mut layers[slot];
+        if l.count.is_empty() {
+            *l = DomainLayer { layer: sums.layer, count: vec![0; sums.n_expert], prob_sum: vec![0.0; sums.n_expert], reap_l2_sum: vec![0.0; sums.n_expert] };
+        }
+        for ((&e, &g), &n) in ids.iter().zip(gates).zip(norms) {
+            let e = e as usize;
+            l.count[e] += 1;
+            l.prob_sum[e] += g;
+            l.reap_l2_sum[e] += g * n;
+        }
+    }
+
+    /// Every domain with every layer of `all` (zeros where a domain saw none of a layer).
+    pub fn complete(&self, all: &[LayerSums]) -> Vec<Vec<DomainLayer>> {
+        self.layers
+            .iter()
+            .map(|ls| {
+                all.iter()
+                    .enumerate()
+                    .map(|(slot, a)| match ls.get(slot) {
+                        Some(l) if !l.count.is_empty() => l.clone(),
+                        _ => DomainLayer { layer: a.layer, count: vec![0; a.n_expert], prob_sum: vec![0.0; a.n_expert], reap_l2_sum: vec![0.0; a.n_expert] },
+                    })
+                    .collect()
+            })
+            .collect()
     }
 }
 
@@ -378,6 +458,34 @@ mod tests {
         assert!(c.slot_for(2, 16, 2).unwrap_err().contains("changed shape"));
         assert!(c.slot_for(3, 8, 2).unwrap_err().contains("graph order"));
         assert_eq!(c.slot(4), None);
+    }
+
+    /// The same two tokens as `sums_match_a_hand_computation`, token 0 in domain 1 and token 1
+    /// in domain 0: each domain holds exactly its token's part, and the parts add up.
+    #[test]
+    fn domain_sums_split_by_token() {
+        let mut c = ReapCollector::new();
+        c.domains = Some(DomainSplit::new(vec!["a".into(), "b".into()]));
+        c.domains.as_mut().unwrap().rows = vec![1, 0];
+        c.slot_for(0, 4, 2).unwrap();
+        c.on_probs(0, &info("p", [4, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_F32), &bytes_f32(&[0.1, 0.2, 0.3, 0.4, 0.5, 0.25, 0.15, 0.1])).unwrap();
+        let ids: Vec<u8> = [3i32, 2, 1, 0, 0, 1, 2, 3].iter().flat_map(|x| x.to_ne_bytes()).collect();
+        c.on_topk(0, &info("t", [2, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_I32), &ids).unwrap();
+        let f = [3.0f32, 4.0, 0.0, 1.0, 6.0, 8.0, 1.0, 0.0];
+        c.on_expert_out(0, &info("f", [2, 2, 2, 1], [4, 8, 16, 32], sys::GGML_TYPE_F32), &bytes_f32(&f)).unwrap();
+        c.on_weighted(0, "f", &info("g", [1, 2, 2, 1], [4, 4, 8, 16], sys::GGML_TYPE_F32), &bytes_f32(&[0.6, 0.4, 0.7, 0.3])).unwrap();
+        let d = c.domains.as_ref().unwrap().complete(&c.layers);
+        let g64 = |x: f32| x as f64;
+        assert_eq!(c.domains.as_ref().unwrap().tokens, [1, 1]);
+        // domain b: token 0 (experts 3 and 2); domain a: token 1 (experts 0 and 1)
+        assert_eq!(d[1][0].count, [0, 0, 1, 1]);
+        assert_eq!(d[1][0].reap_l2_sum, [0.0, 0.0, g64(0.4), g64(0.6) * 5.0]);
+        assert_eq!(d[0][0].count, [1, 1, 0, 0]);
+        assert_eq!(d[0][0].prob_sum, [g64(0.7), g64(0.3), 0.0, 0.0]);
+        for e in 0..4 {
+            assert_eq!(d[0][0].count[e] + d[1][0].count[e], c.layers[0].count[e]);
+            assert_eq!(d[0][0].reap_l2_sum[e] + d[1][0].reap_l2_sum[e], c.layers[0].reap_l2_sum[e]);
+        }
     }
 
     #[test]

@@ -34,6 +34,8 @@ pub struct Manifest {
     pub platform: Option<Platform>,
     /// set when a signal stopped the run: the outputs hold a prefix of it
     pub interrupted: Option<Interruption>,
+    /// which chunks of the corpus the run evaluated (the saliency JSON's `coverage` object)
+    pub coverage: Option<Value>,
 }
 
 /// Where a signal stopped a calibration run, and what its outputs hold.
@@ -148,6 +150,7 @@ impl Manifest {
             "inputs": self.inputs.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
             "outputs": self.outputs.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
             "platform": self.platform.as_ref().map(Platform::to_json),
+            "coverage": self.coverage,
         });
         if let Some(i) = &self.interrupted {
             v["interrupted"] = i.to_json();
@@ -192,6 +195,7 @@ impl Manifest {
             outputs: files("outputs")?,
             platform: v.get("platform").filter(|p| p.is_object()).map(Platform::from_json),
             interrupted: v.get("interrupted").filter(|i| !i.is_null()).map(Interruption::from_json).transpose()?,
+            coverage: v.get("coverage").filter(|c| c.is_object()).cloned(),
         })
     }
 }
@@ -212,6 +216,7 @@ mod tests {
             outputs: vec![FileRecord { role: "imatrix".into(), path: "i.gguf".into(), size: 5, sha256: "11".into() }],
             platform: Some(Platform { system_info: "CPU : AVX2 = 1 | ".into(), cpu_features: vec!["AVX2".into()], devices: vec!["CPU: x".into()] }),
             interrupted: None,
+            coverage: Some(json!({"chunk_indices": [0, 5]})),
         };
         assert_eq!(Manifest::from_json(&m.to_json()).unwrap(), m);
         assert!(m.to_json().get("interrupted").is_none(), "a complete run's manifest has no \"interrupted\"");

@@ -124,6 +124,23 @@ impl Routing {
     }
 }
 
+/// One domain's sums for one MoE layer (`--domains`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DomainLayer {
+    pub layer: u32,
+    pub count: Vec<u64>,
+    pub prob_sum: Vec<f64>,
+    pub reap_l2_sum: Vec<f64>,
+}
+
+/// One domain's share of the run: its tokens and, per MoE layer, its part of the sums.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DomainSums {
+    pub name: String,
+    pub tokens: u64,
+    pub layers: Vec<DomainLayer>,
+}
+
 /// The whole file.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Saliency {
@@ -133,6 +150,10 @@ pub struct Saliency {
     /// free-form run metadata (model, corpus, settings, versions)
     pub metadata: Map<String, Value>,
     pub layers: Vec<LayerSums>,
+    /// which chunks of the corpus were evaluated (docs/corpus.md); None in older files
+    pub coverage: Option<Value>,
+    /// per-domain sums (`--domains`); empty without
+    pub domains: Vec<DomainSums>,
 }
 
 impl Saliency {
@@ -173,7 +194,7 @@ impl Saliency {
                 v
             })
             .collect();
-        json!({
+        let mut v = json!({
             "format": FORMAT,
             "version": VERSION,
             "tokens": self.tokens,
@@ -181,7 +202,24 @@ impl Saliency {
             "trace_tokens_written": self.trace_tokens_written,
             "metadata": Value::Object(self.metadata.clone()),
             "layers": layers,
-        })
+        });
+        if let Some(c) = &self.coverage {
+            v["coverage"] = c.clone();
+        }
+        if !self.domains.is_empty() {
+            v["domains"] = self
+                .domains
+                .iter()
+                .map(|d| {
+                    json!({
+                        "name": d.name,
+                        "tokens": d.tokens,
+                        "layers": d.layers.iter().map(|l| json!({"layer": l.layer, "count": l.count, "prob_sum": l.prob_sum, "reap_l2_sum": l.reap_l2_sum})).collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+        }
+        v
     }
 
     /// Writes the file atomically.
@@ -233,12 +271,48 @@ impl Saliency {
             trace_tokens_written: u("trace_tokens_written")?,
             metadata: v.get("metadata").and_then(Value::as_object).cloned().unwrap_or_default(),
             layers: Vec::with_capacity(layers.len()),
+            coverage: v.get("coverage").filter(|c| c.is_object()).cloned(),
+            domains: Vec::new(),
         };
         for (i, l) in layers.iter().enumerate() {
             out.layers.push(layer_from_json(l).with_context(|| format!("layers[{i}]"))?);
         }
+        if let Some(ds) = v.get("domains") {
+            let ds = ds.as_array().context("\"domains\" is not an array")?;
+            for (i, d) in ds.iter().enumerate() {
+                out.domains.push(domain_from_json(d, &out.layers).with_context(|| format!("domains[{i}]"))?);
+            }
+        }
         Ok(out)
     }
+}
+
+fn domain_from_json(d: &Value, all: &[LayerSums]) -> Result<DomainSums> {
+    let name = d.get("name").and_then(Value::as_str).context("missing string \"name\"")?.to_string();
+    let tokens = d.get("tokens").and_then(Value::as_u64).context("missing integer \"tokens\"")?;
+    let ls = d.get("layers").and_then(Value::as_array).context("missing array \"layers\"")?;
+    if ls.len() != all.len() {
+        bail!("domain {name} has {} layers, the run has {}", ls.len(), all.len());
+    }
+    let mut layers = Vec::with_capacity(ls.len());
+    for (l, a) in ls.iter().zip(all) {
+        let n = a.n_expert;
+        let arr = |k: &str| -> Result<&Vec<Value>> {
+            let v = l.get(k).and_then(Value::as_array).with_context(|| format!("domain {name}: missing array \"{k}\""))?;
+            if v.len() != n {
+                bail!("domain {name}, layer {}: \"{k}\" has {} values, n_expert is {n}", a.layer, v.len());
+            }
+            Ok(v)
+        };
+        let floats = |k: &str| -> Result<Vec<f64>> { arr(k)?.iter().map(|x| x.as_f64().with_context(|| format!("\"{k}\" holds a non-number"))).collect() };
+        layers.push(DomainLayer {
+            layer: l.get("layer").and_then(Value::as_u64).context("missing integer \"layer\"")? as u32,
+            count: arr("count")?.iter().map(|x| x.as_u64().context("\"count\" holds a non-integer")).collect::<Result<_>>()?,
+            prob_sum: floats("prob_sum")?,
+            reap_l2_sum: floats("reap_l2_sum")?,
+        });
+    }
+    Ok(DomainSums { name, tokens, layers })
 }
 
 fn layer_from_json(l: &Value) -> Result<LayerSums> {
@@ -302,7 +376,8 @@ mod tests {
         let r = l.reference.as_mut().unwrap();
         r.reap_softmax_l2_sum = vec![0.1 + 0.7, 0.0, 2e-300, 1.0 / 7.0];
         r.max_activation = vec![Some(-0.5), None, Some(1e-45), Some(3.25)];
-        let s = Saliency { tokens: 7, nonfinite_drops: 1, trace_tokens_written: 0, metadata: Map::new(), layers: vec![l] };
+        let d = DomainSums { name: "ja".into(), tokens: 3, layers: vec![DomainLayer { layer: 3, count: vec![1, 0, 2, 0], prob_sum: vec![0.1, 0.0, 1.0 / 3.0, 0.0], reap_l2_sum: vec![0.2, 0.0, 0.7, 0.0] }] };
+        let s = Saliency { tokens: 7, nonfinite_drops: 1, trace_tokens_written: 0, metadata: Map::new(), layers: vec![l], coverage: Some(json!({"chunk_indices": [1, 4]})), domains: vec![d] };
         let text = serde_json::to_string(&s.to_json()).unwrap();
         let back = Saliency::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
         assert_eq!(back, s);

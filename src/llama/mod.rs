@@ -4,6 +4,7 @@
 //! pointers.
 
 pub mod batch;
+pub mod chat;
 pub mod context;
 pub mod eval_callback;
 pub mod log;

@@ -14,11 +14,13 @@ pub struct ModelParams {
     pub load_mode: i32,
     /// `--rpc` servers, comma-separated as upstream takes them
     pub rpc_servers: Option<String>,
+    /// load the vocabulary and metadata only, no tensors (`corpus` needs only the tokenizer)
+    pub vocab_only: bool,
 }
 
 impl Default for ModelParams {
     fn default() -> Self {
-        ModelParams { n_gpu_layers: -1, load_mode: sys::LLAMA_LOAD_MODE_AUTO, rpc_servers: None }
+        ModelParams { n_gpu_layers: -1, load_mode: sys::LLAMA_LOAD_MODE_AUTO, rpc_servers: None, vocab_only: false }
     }
 }
 
@@ -46,6 +48,7 @@ impl Model {
         let mut mp = unsafe { sys::llama_model_default_params() };
         mp.n_gpu_layers = params.n_gpu_layers;
         mp.load_mode = params.load_mode;
+        mp.vocab_only = params.vocab_only;
         log::take_recent_errors();
         // SAFETY: valid C string and params; null is checked.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
@@ -89,6 +92,17 @@ impl Model {
         buf.truncate((n as usize).min(buf.len() - 1));
         String::from_utf8(buf).ok()
     }
+
+    /// The chat template stored in the GGUF (`tokenizer.chat_template`), if any.
+    pub fn chat_template(&self) -> Option<String> {
+        // SAFETY: returns a pointer into the model's metadata (lives as long as the model) or null.
+        let p = unsafe { sys::llama_model_chat_template(self.raw, std::ptr::null()) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: non-null, NUL-terminated.
+        Some(unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
 }
 
 impl Drop for Model {
@@ -104,6 +118,11 @@ pub struct Vocab<'m> {
     raw: *const sys::llama_vocab,
     _model: &'m Model,
 }
+
+// SAFETY: the vocab is read-only after loading; llama_tokenize and llama_token_to_piece keep
+// their state per call (llama.cpp's server tokenizes from several threads the same way).
+unsafe impl Send for Vocab<'_> {}
+unsafe impl Sync for Vocab<'_> {}
 
 impl Vocab<'_> {
     pub fn n_tokens(&self) -> i32 {
@@ -137,5 +156,61 @@ impl Vocab<'_> {
         }
         out.truncate(n as usize);
         Ok(out)
+    }
+
+    /// The bytes of one token as the tokenizer spells it; special tokens (`<|im_start|>`) as
+    /// their text (`special` = true), as `--parse-special` reads them back.
+    pub fn token_to_piece(&self, token: i32, buf: &mut Vec<u8>) -> Result<()> {
+        buf.resize(buf.capacity().max(64), 0);
+        loop {
+            // SAFETY: buffer and its length are passed together; a negative result is the size needed.
+            let n = unsafe { sys::llama_token_to_piece(self.raw, token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, true) };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return Ok(());
+            }
+            buf.resize((-n) as usize, 0);
+        }
+    }
+
+    pub fn is_control(&self, token: i32) -> bool {
+        unsafe { sys::llama_vocab_is_control(self.raw, token) }
+    }
+}
+
+impl Vocab<'_> {
+    /// The byte offset in `text` at which each of `tokens` (the result of tokenising `text`)
+    /// starts: the token pieces are laid over the text one after the other and each must match
+    /// the bytes it lands on, so the mapping is proven, not estimated. Two tokens have no bytes
+    /// of their own: an added BOS first (offset 0), and the space a SentencePiece vocab puts
+    /// before the text (its first piece then matches without the space). Anything else that
+    /// does not match is an error (a vocab whose pieces do not spell the text back).
+    pub fn token_offsets(&self, text: &[u8], tokens: &[i32]) -> Result<Vec<u64>> {
+        let mut offsets = Vec::with_capacity(tokens.len());
+        let mut piece = Vec::with_capacity(64);
+        let mut at = 0usize;
+        let mut prefix_space_seen = false;
+        for (i, &tok) in tokens.iter().enumerate() {
+            self.token_to_piece(tok, &mut piece)?;
+            let rest = &text[at..];
+            offsets.push(at as u64);
+            if rest.starts_with(&piece) {
+                at += piece.len();
+            } else if i == 0 && tok == self.bos() {
+                // added BOS: zero width
+            } else if !prefix_space_seen && at == 0 && piece.first() == Some(&b' ') && rest.starts_with(&piece[1..]) {
+                prefix_space_seen = true;
+                at += piece.len() - 1;
+            } else {
+                bail!(
+                    "token {i} (id {tok}, {:?}) does not spell the text at byte {at}: cannot map tokens to byte offsets for this vocab",
+                    String::from_utf8_lossy(&piece)
+                );
+            }
+        }
+        if at != text.len() {
+            bail!("the tokens spell {at} of the text's {} bytes: cannot map tokens to byte offsets for this vocab", text.len());
+        }
+        Ok(offsets)
     }
 }

@@ -2,6 +2,8 @@
 
 mod bad_input;
 mod build_steps;
+mod corpus;
+mod coverage;
 mod drop_in;
 mod export;
 mod faults;

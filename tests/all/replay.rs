@@ -144,7 +144,7 @@ fn keep_map_forced_misses_and_the_in_sample_note() {
     l.reap_l2_sq_sum = l.count.iter().map(|&c| c as f64).collect();
     l.tokens = 4;
     let sal_path = d.join("run.reap.json");
-    Saliency { tokens: 4, nonfinite_drops: 0, trace_tokens_written: 4, metadata: Default::default(), layers: vec![l] }
+    Saliency { tokens: 4, nonfinite_drops: 0, trace_tokens_written: 4, metadata: Default::default(), layers: vec![l], ..Default::default() }
         .write(&sal_path)
         .unwrap();
     let maps = d.join("maps");

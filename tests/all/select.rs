@@ -35,7 +35,7 @@ fn skewed_layer(layer: u32, n: usize, dead: &[usize]) -> LayerSums {
 
 fn write_saliency(dir: &Path, layers: Vec<LayerSums>, trace_rows: u64) -> PathBuf {
     let s =
-        Saliency { tokens: layers[0].tokens, nonfinite_drops: 0, trace_tokens_written: trace_rows, metadata: Default::default(), layers };
+        Saliency { tokens: layers[0].tokens, nonfinite_drops: 0, trace_tokens_written: trace_rows, metadata: Default::default(), layers, ..Default::default() };
     let p = dir.join("run.reap.json");
     s.write(&p).unwrap();
     p
@@ -218,4 +218,63 @@ fn substitution_screen_counts_pruned_slots_and_lost_probability() {
         .arg("--out-dir")
         .arg(&out_dir));
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// A saliency file with two domains: "en" routes to experts 0–3, "ja" to experts 4–7 (8 experts,
+/// top-2). The report's per-domain slot shares are recomputed here; `--domain-weights` moves the
+/// `reap_l2_sum` selection towards the upweighted domain.
+#[test]
+fn domains_in_the_report_and_domain_weights() {
+    use reap_imatrix::formats::saliency::{DomainLayer, DomainSums};
+    let d = temp_dir("select-domains");
+    let n = 8;
+    let en_count: Vec<u64> = vec![400, 300, 200, 100, 0, 0, 0, 0];
+    let ja_count: Vec<u64> = vec![0, 0, 0, 0, 40, 30, 20, 10];
+    let part = |count: &Vec<u64>| DomainLayer { layer: 0, count: count.clone(), prob_sum: count.iter().map(|&c| 0.5 * c as f64).collect(), reap_l2_sum: count.iter().map(|&c| 2.0 * c as f64).collect() };
+    let mut l = LayerSums::new(0, n, 2);
+    for e in 0..n {
+        l.count[e] = en_count[e] + ja_count[e];
+        l.prob_sum[e] = 0.5 * l.count[e] as f64;
+        l.reap_l2_sum[e] = 2.0 * l.count[e] as f64;
+        l.reap_l2_sq_sum[e] = 4.0 * l.count[e] as f64;
+        l.ean_sum[e] = 3.0 * l.count[e] as f64;
+    }
+    l.tokens = 550;
+    let s = Saliency {
+        tokens: 550,
+        layers: vec![l],
+        domains: vec![
+            DomainSums { name: "en".into(), tokens: 500, layers: vec![part(&en_count)] },
+            DomainSums { name: "ja".into(), tokens: 50, layers: vec![part(&ja_count)] },
+        ],
+        ..Default::default()
+    };
+    let p = d.join("run.reap.json");
+    s.write(&p).unwrap();
+    let out_dir = d.join("maps");
+    let out = select(&["--reap", p.to_str().unwrap(), "--method", "reap_l2_sum,frequency", "--k", "4", "--out-dir", out_dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    // keep = the 4 busiest = experts 0..3: en keeps all its slots, ja none
+    assert!(text.contains("slots kept per domain: en 100.0%") && text.contains("ja 0.0%"), "{text}");
+    let rep = json(&out_dir.join("select_report.json"));
+    let m = &rep["maps"][0];
+    assert_eq!(m["domains"][0]["name"], "en");
+    assert_eq!(m["domains"][0]["slots_kept"].as_f64(), Some(1.0));
+    assert_eq!(m["domains"][1]["slots_kept"].as_f64(), Some(0.0));
+    assert_eq!(m["domains"][1]["slot_replacement"].as_f64(), Some(1.0));
+
+    // ja weighted 20×: scores are en 2c for experts 0–3 (800, 600, 400, 200) and 20·2c for
+    // experts 4–7 (1600, 1200, 800, 400) → the top 4 are experts 4, 5, 0 and 6
+    let out = select(&["--reap", p.to_str().unwrap(), "--method", "reap_l2_sum", "--k", "4", "--out-dir", out_dir.to_str().unwrap(), "--domain-weights", "ja=20"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let map = json(&out_dir.join("keep_reap_l2_sum_k4.json"));
+    let keep: Vec<u64> = map["layers"][0].as_object().map_or_else(|| map["layers"][0].clone(), |o| o["keep"].clone()).as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(keep, [0, 4, 5, 6]);
+    assert_eq!(map["parameters"]["domain_weights"]["ja"].as_f64(), Some(20.0));
+    assert_eq!(map["parameters"]["domain_weights"]["en"].as_f64(), Some(1.0));
+    // a name not in the file
+    let out = select(&["--reap", p.to_str().unwrap(), "--method", "reap_l2_sum", "--k", "4", "--out-dir", out_dir.to_str().unwrap(), "--domain-weights", "fr=2"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no domain fr"));
 }

@@ -1,6 +1,7 @@
 //! `reap-imatrix select`: keep maps (which experts each MoE layer keeps) from a saliency JSON,
 //! one per method and K, and a report on what each map gives up. See docs/select.md.
 
+pub mod domains;
 pub mod keep_map;
 pub mod score;
 pub mod screen;
@@ -56,6 +57,10 @@ pub struct SelectArgs {
     /// Experts with count < C rank below all others (every method)
     #[arg(long = "min-count", default_value_t = 0, value_name = "C")]
     pub min_count: u64,
+    /// reap_l2_sum scores experts by Σ_d W_d · reap_l2_sum_d over the saliency file's domains
+    /// (unlisted domains weigh 1; needs a calibration with --domains)
+    #[arg(long = "domain-weights", value_name = "NAME=W[,NAME=W…]")]
+    pub domain_weights: Option<String>,
     /// Also print the per-layer tables (select_report.json always has them)
     #[arg(long = "per-layer")]
     pub per_layer: bool,
@@ -219,8 +224,24 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
         expert_count: Some(sal.layers[0].n_expert as u64),
     });
 
-    // ---- keep sets
-    let sets: Vec<Vec<Vec<Vec<u16>>>> = methods.iter().map(|&m| select_method(&sal, m, &ks, &params)).collect();
+    // ---- keep sets (reap_l2_sum over the reweighted domains with --domain-weights)
+    let reweighted = match &args.domain_weights {
+        None => None,
+        Some(spec) => {
+            if !methods.contains(&Method::ReapL2Sum) {
+                return Err(usage("--domain-weights applies to --method reap_l2_sum, which is not among the methods".into()));
+            }
+            let w = domains::parse_weights(spec, &sal).map_err(usage)?;
+            Some((domains::weighted(&sal, &w), w))
+        }
+    };
+    let sets: Vec<Vec<Vec<Vec<u16>>>> = methods
+        .iter()
+        .map(|&m| match (&reweighted, m) {
+            (Some((ws, _)), Method::ReapL2Sum) => select_method(ws, m, &ks, &params),
+            _ => select_method(&sal, m, &ks, &params),
+        })
+        .collect();
 
     // ---- maps
     let mut written = Vec::new();
@@ -229,7 +250,13 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
             let map = KeepMap {
                 method: m.name().into(),
                 k,
-                parameters: method_parameters(m, &params, &sal),
+                parameters: {
+                    let mut p = method_parameters(m, &params, &sal);
+                    if let (Some((_, w)), Method::ReapL2Sum) = (&reweighted, m) {
+                        p["domain_weights"] = sal.domains.iter().zip(w).map(|(d, &x)| (d.name.clone(), json!(x))).collect::<serde_json::Map<_, _>>().into();
+                    }
+                    p
+                },
                 source: Some(source.clone()),
                 model: model.clone(),
                 layers: sal
@@ -427,7 +454,18 @@ fn build_report(
                 });
             }
             let _ = writeln!(t, "{line}");
+            let by_domain = domains::kept(sal, &sets[mi][ki]);
+            if !by_domain.is_empty() {
+                let parts: Vec<String> = by_domain.iter().map(|d| format!("{} {} (worst L{} {})", d.name, pct(d.slots_kept), d.worst.0, pct(d.worst.1))).collect();
+                let _ = writeln!(t, "{:<12} slots kept per domain: {}", "", parts.join(", "));
+            }
             maps_json.push(json!({
+                "domains": by_domain.iter().map(|d| json!({
+                    "name": d.name,
+                    "slots_kept": d.slots_kept,
+                    "slot_replacement": 1.0 - d.slots_kept,
+                    "worst_layer": {"layer": d.worst.0, "slots_kept": d.worst.1},
+                })).collect::<Vec<_>>(),
                 "method": m.name(),
                 "k": k,
                 "file": map_file_name(m, k),

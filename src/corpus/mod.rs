@@ -1,0 +1,375 @@
+//! `reap-imatrix corpus`: a calibration text assembled from JSONL sources, with per-source
+//! shares of a token budget counted by the target model's own tokenizer (see docs/corpus.md).
+//!
+//! Steps: read every source and `--eval` file; render chat documents with the GGUF's chat
+//! template; decide every document's fate (eval overlap, exact or near duplicate: `dedupe`);
+//! count each remaining document's tokens; check every source can fill its target; order the
+//! documents by the weighted round-robin (`mix`), cutting documents that are too long (keeping
+//! their end); write the text; tokenise the written text whole, as calibration will, and count
+//! each document's tokens from the token byte offsets: the counts in the domains file and the
+//! report are those of the final text, not estimates.
+
+pub mod dedupe;
+pub mod mix;
+pub mod par;
+pub mod sources;
+
+use crate::calibrate::args::beside_output;
+use crate::error::UsageError;
+use crate::formats::domains::{Domains, Range};
+use crate::llama::{chat, Model, ModelParams, Vocab};
+use anyhow::{bail, Context as _, Result};
+use serde_json::json;
+use sources::{Body, SourceSpec};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What separates documents in the mix (and ends the last one, as a single newline).
+pub const SEPARATOR: &str = "\n\n";
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct CorpusArgs {
+    /// model whose tokenizer counts the tokens and whose chat template renders `messages`
+    #[arg(short = 'm', long = "model", value_name = "MODEL.gguf")]
+    pub model: PathBuf,
+    /// a JSONL source: NAME=FILE.jsonl[:SHARE] (repeatable; SHARE is a fraction of --tokens,
+    /// default an equal part of what the given shares leave)
+    #[arg(long = "source", value_name = "NAME=FILE[:SHARE]", required = true)]
+    pub source: Vec<String>,
+    /// token budget of the mix
+    #[arg(long = "tokens", value_name = "N")]
+    pub tokens: u64,
+    /// the mix (plain text); MIX.domains.tsv and MIX.report.json are written beside it
+    #[arg(short = 'o', long = "output", value_name = "MIX.txt")]
+    pub output: PathBuf,
+    /// evaluation documents (JSONL): calibration documents overlapping any of them are left out
+    #[arg(long = "eval", value_name = "FILE.jsonl")]
+    pub eval: Vec<PathBuf>,
+    /// seed of the document order within each source
+    #[arg(long = "seed", value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// cut longer documents to their last N tokens
+    #[arg(long = "max-doc-tokens", value_name = "N")]
+    pub max_doc_tokens: Option<u64>,
+    /// fail, instead of dropping them, when documents overlap the --eval set
+    #[arg(long = "strict")]
+    pub strict: bool,
+}
+
+/// Output paths: MIX.txt → MIX.domains.tsv, MIX.report.json.
+pub fn domains_path(mix: &Path) -> PathBuf {
+    beside_output(mix, ".domains.tsv")
+}
+pub fn report_path(mix: &Path) -> PathBuf {
+    beside_output(mix, ".report.json")
+}
+
+/// One source's documents after rendering.
+struct Source {
+    spec: SourceSpec,
+    share: f64,
+    /// (line, rendered text) per document, in file order
+    docs: Vec<(usize, String)>,
+}
+
+/// Per-source figures for the report.
+#[derive(Default, Clone)]
+struct Stats {
+    tokens_target: u64,
+    available: u64,
+    documents: u64,
+    truncated: u64,
+    duplicates: u64,
+    eval_overlaps: u64,
+    tokens: u64,
+}
+
+pub fn run(args: &CorpusArgs) -> Result<i32> {
+    let t0 = Instant::now();
+    let specs: Vec<SourceSpec> = args.source.iter().map(|s| SourceSpec::parse(s).map_err(UsageError)).collect::<Result<_, _>>()?;
+    for (i, s) in specs.iter().enumerate() {
+        if specs[..i].iter().any(|o| o.name == s.name) {
+            bail!(UsageError(format!("--source {}: the name is given twice", s.name)));
+        }
+    }
+    let shares = sources::resolve_shares(&specs).map_err(UsageError)?;
+    if args.tokens == 0 {
+        bail!(UsageError("--tokens must be at least 1".into()));
+    }
+    if args.max_doc_tokens == Some(0) {
+        bail!(UsageError("--max-doc-tokens must be at least 1".into()));
+    }
+    let (dom_path, rep_path) = (domains_path(&args.output), report_path(&args.output));
+    for p in [&args.output, &dom_path, &rep_path] {
+        crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("-o {e}")))?;
+    }
+    let model = Model::load(&args.model, &ModelParams { vocab_only: true, ..Default::default() })?;
+    let template = model.chat_template();
+    let vocab = model.vocab();
+
+    // read and render everything first: bad input fails before any work
+    let mut srcs = Vec::with_capacity(specs.len());
+    for (spec, share) in specs.into_iter().zip(shares) {
+        let docs = sources::read_jsonl(&spec.path)?;
+        let what = format!("source {} ({})", spec.name, spec.path.display());
+        let docs = render_all(docs, template.as_deref(), &what, &args.model)?;
+        srcs.push(Source { spec, share, docs });
+    }
+    let mut eval_docs = Vec::new();
+    for p in &args.eval {
+        let docs = sources::read_jsonl(p)?;
+        let rendered = render_all(docs, template.as_deref(), &format!("--eval {}", p.display()), &args.model)?;
+        eval_docs.extend(rendered.into_iter().map(|(line, t)| (format!("{}:{line}", p.display()), t)));
+    }
+    let t_read = t0.elapsed();
+
+    // every document of every source, in command-line then file order
+    let all: Vec<(usize, usize)> = srcs.iter().enumerate().flat_map(|(s, src)| (0..src.docs.len()).map(move |d| (s, d))).collect();
+    let prepared = par::map(&all, |&(s, d)| dedupe::prepare(&srcs[s].docs[d].1));
+    let eval = dedupe::EvalIndex::new(par::map(&eval_docs, |(_, t)| dedupe::prepare(t)));
+    let verdicts = dedupe::dedupe(&prepared, &eval);
+    drop(prepared);
+    let t_dedupe = t0.elapsed();
+
+    let mut stats = vec![Stats::default(); srcs.len()];
+    let mut overlaps: Vec<String> = Vec::new();
+    let mut kept: Vec<Vec<usize>> = vec![Vec::new(); srcs.len()];
+    for (&(s, d), v) in all.iter().zip(&verdicts) {
+        match v {
+            dedupe::Verdict::Keep => kept[s].push(d),
+            dedupe::Verdict::Duplicate(_) => stats[s].duplicates += 1,
+            dedupe::Verdict::EvalOverlap(e) => {
+                stats[s].eval_overlaps += 1;
+                if overlaps.len() < 10 {
+                    overlaps.push(format!("{}:{} overlaps {}", srcs[s].spec.path.display(), srcs[s].docs[d].0, eval_docs[*e].0));
+                }
+            }
+        }
+    }
+    let n_overlaps: u64 = stats.iter().map(|s| s.eval_overlaps).sum();
+    if args.strict && n_overlaps > 0 {
+        bail!(UsageError(format!("--strict: {n_overlaps} document(s) overlap the --eval set; nothing written. First ones:\n  {}", overlaps.join("\n  "))));
+    }
+
+    // seeded order within each source, then token counts of every kept document
+    for (s, k) in kept.iter_mut().enumerate() {
+        let perm = crate::fixture::rng::Rng::stream(args.seed, &format!("corpus/{}", srcs[s].spec.name)).permutation(k.len());
+        *k = perm.iter().map(|&i| k[i as usize]).collect();
+    }
+    let flat: Vec<(usize, usize)> = kept.iter().enumerate().flat_map(|(s, k)| k.iter().map(move |&d| (s, d))).collect();
+    let counts = par::map(&flat, |&(s, d)| count_tokens(vocab, &srcs[s].docs[d].1));
+    let mut queues: Vec<Vec<u64>> = vec![Vec::new(); srcs.len()];
+    for (&(s, _), c) in flat.iter().zip(counts) {
+        queues[s].push(c?);
+    }
+    let t_count = t0.elapsed();
+
+    let targets: Vec<u64> = srcs.iter().map(|s| (s.share * args.tokens as f64).round() as u64).collect();
+    let mut short = Vec::new();
+    for s in 0..srcs.len() {
+        stats[s].tokens_target = targets[s];
+        stats[s].available = mix::available(&queues[s], args.max_doc_tokens);
+        if stats[s].available < targets[s] {
+            short.push(s);
+        }
+    }
+    if !short.is_empty() {
+        let list: Vec<String> = srcs
+            .iter()
+            .enumerate()
+            .map(|(s, src)| {
+                format!(
+                    "  {}: target {} tokens, available {} ({} documents after {} duplicates and {} eval overlaps dropped){}",
+                    src.spec.name,
+                    targets[s],
+                    stats[s].available,
+                    kept[s].len(),
+                    stats[s].duplicates,
+                    stats[s].eval_overlaps,
+                    if short.contains(&s) { "  <- too few" } else { "" }
+                )
+            })
+            .collect();
+        bail!(UsageError(format!("--tokens {}: the sources do not hold enough tokens; nothing written\n{}", args.tokens, list.join("\n"))));
+    }
+
+    // the text, document by document
+    let plan = mix::plan(&queues, &targets, args.max_doc_tokens);
+    let mut text = String::new();
+    let mut ranges: Vec<Range> = Vec::with_capacity(plan.len());
+    for (i, t) in plan.iter().enumerate() {
+        let doc = &srcs[t.source].docs[kept[t.source][t.doc]].1;
+        let body = doc.trim();
+        let body = match t.keep {
+            Some(k) => {
+                stats[t.source].truncated += 1;
+                keep_end(vocab, body, k)?
+            }
+            None => body,
+        };
+        if body.is_empty() {
+            continue;
+        }
+        let start = text.len() as u64;
+        text.push_str(body);
+        text.push_str(if i + 1 == plan.len() { "\n" } else { SEPARATOR });
+        ranges.push(Range { start, end: text.len() as u64, domain: srcs[t.source].spec.name.clone(), tokens: None });
+        stats[t.source].documents += 1;
+    }
+    if text.ends_with(SEPARATOR) {
+        text.pop(); // the last document was empty after cutting: end with one newline
+        ranges.last_mut().unwrap().end -= 1;
+    }
+
+    // exact counts: the text as calibration reads it (one trailing newline removed), whole
+    let calib = text.strip_suffix('\n').unwrap_or(&text).as_bytes();
+    let tokens = vocab.tokenize(calib, true, true)?;
+    let offsets = vocab.token_offsets(calib, &tokens)?;
+    let mut domains = Domains { ranges };
+    let per_range = count_per_range(&domains, &offsets);
+    for (r, n) in domains.ranges.iter_mut().zip(per_range) {
+        r.tokens = Some(n);
+    }
+    for r in &domains.ranges {
+        let s = srcs.iter().position(|s| s.spec.name == r.domain).unwrap();
+        stats[s].tokens += r.tokens.unwrap();
+    }
+    let t_mix = t0.elapsed();
+
+    let total = tokens.len() as u64;
+    let report = json!({
+        "tokens_target": args.tokens,
+        "tokens": total,
+        "seed": args.seed,
+        "max_doc_tokens": args.max_doc_tokens,
+        "model": args.model.to_string_lossy(),
+        "chat_template": template.is_some(),
+        "eval_documents": eval_docs.len(),
+        "dedupe": {"shingle_units": dedupe::SHINGLE, "jaccard": dedupe::JACCARD, "eval_overlap": dedupe::EVAL_OVERLAP,
+                   "minhash_bands": dedupe::BANDS, "minhash_rows": dedupe::ROWS},
+        "sources": srcs.iter().zip(&stats).map(|(src, st)| json!({
+            "name": src.spec.name,
+            "file": src.spec.path.to_string_lossy(),
+            "share_target": src.share,
+            "tokens_target": st.tokens_target,
+            "tokens": st.tokens,
+            "share": if total > 0 { st.tokens as f64 / total as f64 } else { 0.0 },
+            "documents": st.documents,
+            "truncated": st.truncated,
+            "duplicates_dropped": st.duplicates,
+            "eval_overlaps_dropped": st.eval_overlaps,
+            "documents_read": src.docs.len(),
+            "tokens_available": st.available,
+        })).collect::<Vec<_>>(),
+    });
+    crate::formats::atomic::write_bytes(&args.output, text.as_bytes()).with_context(|| format!("writing {}", args.output.display()))?;
+    domains.write(&dom_path)?;
+    crate::formats::atomic::write_json(&rep_path, &report, "corpus report")?;
+
+    print_table(&srcs, &stats, total, args.tokens);
+    eprintln!(
+        "corpus: {} documents read, {} bytes of mix, {total} tokens; read {:.2} s, dedupe {:.2} s, count {:.2} s, mix {:.2} s",
+        all.len(),
+        text.len(),
+        t_read.as_secs_f64(),
+        (t_dedupe - t_read).as_secs_f64(),
+        (t_count - t_dedupe).as_secs_f64(),
+        (t_mix - t_count).as_secs_f64()
+    );
+    eprintln!("wrote {}, {}, {}", args.output.display(), dom_path.display(), rep_path.display());
+    Ok(0)
+}
+
+/// Tokens per range, each token counted in the range that holds its first byte (a token before
+/// the first range, such as an added BOS at offset 0, counts in the first).
+pub fn count_per_range(d: &Domains, offsets: &[u64]) -> Vec<u64> {
+    let mut out = vec![0u64; d.ranges.len()];
+    let mut i = 0;
+    for &o in offsets {
+        while i + 1 < d.ranges.len() && d.ranges[i].end <= o {
+            i += 1;
+        }
+        if !d.ranges.is_empty() {
+            out[i] += 1;
+        }
+    }
+    out
+}
+
+/// Renders every document to text; a chat document needs the model's chat template.
+fn render_all(docs: Vec<sources::Doc>, template: Option<&str>, what: &str, model: &Path) -> Result<Vec<(usize, String)>> {
+    docs.into_iter()
+        .map(|d| {
+            let text = match d.body {
+                Body::Text(t) => t,
+                Body::Messages(m) => {
+                    let Some(t) = template else {
+                        bail!(UsageError(format!(
+                            "{what}, line {}: a chat document (\"messages\"), but {} has no chat template (tokenizer.chat_template)",
+                            d.line,
+                            model.display()
+                        )));
+                    };
+                    chat::apply_template(t, &m).with_context(|| format!("{what}, line {}", d.line))?
+                }
+            };
+            Ok((d.line, text))
+        })
+        .collect()
+}
+
+/// A document's tokens in the mix: its trimmed text and the separator after it, with special
+/// tokens parsed (as `--parse-special` calibration reads them), nothing added.
+fn count_tokens(vocab: Vocab<'_>, doc: &str) -> Result<u64> {
+    let mut s = String::with_capacity(doc.len() + 2);
+    s.push_str(doc.trim());
+    if s.is_empty() {
+        return Ok(0);
+    }
+    s.push_str(SEPARATOR);
+    Ok(vocab.tokenize(s.as_bytes(), false, true)?.len() as u64)
+}
+
+/// The end of `doc` that tokenises (with the separator) to at most `keep` tokens: the cut falls
+/// on a token boundary that is also a character boundary, moved forward until the kept part
+/// re-tokenises within `keep`.
+fn keep_end<'a>(vocab: Vocab<'_>, doc: &'a str, keep: u64) -> Result<&'a str> {
+    let full = format!("{doc}{SEPARATOR}");
+    let toks = vocab.tokenize(full.as_bytes(), false, true)?;
+    let offs = vocab.token_offsets(full.as_bytes(), &toks)?;
+    let mut first = toks.len().saturating_sub(keep as usize);
+    while first < toks.len() {
+        let at = offs[first] as usize;
+        if at >= doc.len() {
+            return Ok("");
+        }
+        if doc.is_char_boundary(at) {
+            let rest = doc[at..].trim_start();
+            if count_tokens(vocab, rest)? <= keep {
+                return Ok(rest);
+            }
+        }
+        first += 1;
+    }
+    Ok("")
+}
+
+fn print_table(srcs: &[Source], stats: &[Stats], total: u64, target: u64) {
+    println!("{:<12} {:>7} {:>10} {:>10} {:>7} {:>6} {:>6} {:>6} {:>6} {:>10}", "source", "target", "tokens_tgt", "tokens", "share", "docs", "trunc", "dups", "eval", "available");
+    for (src, st) in srcs.iter().zip(stats) {
+        println!(
+            "{:<12} {:>7.4} {:>10} {:>10} {:>7.4} {:>6} {:>6} {:>6} {:>6} {:>10}",
+            src.spec.name,
+            src.share,
+            st.tokens_target,
+            st.tokens,
+            if total > 0 { st.tokens as f64 / total as f64 } else { 0.0 },
+            st.documents,
+            st.truncated,
+            st.duplicates,
+            st.eval_overlaps,
+            st.available
+        );
+    }
+    println!("{:<12} {:>7} {:>10} {:>10}", "total", "", target, total);
+}

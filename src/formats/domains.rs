@@ -1,0 +1,152 @@
+//! `MIX.domains.tsv`: which byte ranges of a calibration text belong to which domain (source).
+//!
+//! A header line `start<TAB>end<TAB>domain<TAB>tokens`, then one line per document: the byte range
+//! `[start, end)` in the text, the domain name, and the document's token count (informative;
+//! readers do not need it, and a file with only the first three columns is accepted). Ranges
+//! are ascending and do not overlap; they need not cover the whole text (bytes outside every
+//! range belong to no domain: see docs/corpus.md for how calibration counts them).
+
+use super::atomic;
+use crate::error::UsageError;
+use anyhow::{bail, Context as _, Result};
+use std::path::Path;
+
+pub const HEADER: &str = "start\tend\tdomain\ttokens";
+
+/// One document's range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Range {
+    pub start: u64,
+    pub end: u64,
+    pub domain: String,
+    /// the token count the file states (None when the column is absent)
+    pub tokens: Option<u64>,
+}
+
+/// A parsed, validated domains file.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Domains {
+    pub ranges: Vec<Range>,
+}
+
+impl Domains {
+    /// Domain names in order of first appearance.
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = Vec::new();
+        for r in &self.ranges {
+            if !v.contains(&r.domain) {
+                v.push(r.domain.clone());
+            }
+        }
+        v
+    }
+
+    /// Parses `text` (the file's contents); `name` names the file in errors; `text_len` is the
+    /// size of the calibration text the ranges refer to.
+    pub fn parse(text: &str, name: &str, text_len: u64) -> std::result::Result<Domains, String> {
+        let mut lines = text.lines().enumerate();
+        match lines.next() {
+            Some((_, h)) if h == HEADER || h == "start\tend\tdomain" => {}
+            Some((_, h)) => return Err(format!("{name}:1: expected the header line \"{}\", got \"{h}\"", HEADER.replace('\t', "\\t"))),
+            None => return Err(format!("{name}: empty file (expected the header line)")),
+        }
+        let mut ranges: Vec<Range> = Vec::new();
+        for (i, line) in lines {
+            let at = format!("{name}:{}", i + 1);
+            if line.is_empty() {
+                continue;
+            }
+            let f: Vec<&str> = line.split('\t').collect();
+            if f.len() != 3 && f.len() != 4 {
+                return Err(format!("{at}: expected 3 or 4 tab-separated fields (start, end, domain, tokens), got {}", f.len()));
+            }
+            let num = |s: &str, what: &str| s.parse::<u64>().map_err(|_| format!("{at}: {what} \"{s}\" is not a non-negative integer"));
+            let (start, end) = (num(f[0], "start")?, num(f[1], "end")?);
+            let tokens = if f.len() == 4 { Some(num(f[3], "tokens")?) } else { None };
+            if f[2].is_empty() {
+                return Err(format!("{at}: empty domain name"));
+            }
+            if start >= end {
+                return Err(format!("{at}: empty or reversed range [{start}, {end})"));
+            }
+            if end > text_len {
+                return Err(format!("{at}: range [{start}, {end}) does not fit the text ({text_len} bytes)"));
+            }
+            if let Some(prev) = ranges.last() {
+                if start < prev.end {
+                    return Err(format!(
+                        "{at}: range [{start}, {end}) overlaps or comes before the previous range [{}, {}) (ranges must be ascending and disjoint)",
+                        prev.start, prev.end
+                    ));
+                }
+            }
+            ranges.push(Range { start, end, domain: f[2].to_string(), tokens });
+        }
+        Ok(Domains { ranges })
+    }
+
+    /// Reads and validates `path` against a text of `text_len` bytes.
+    pub fn read(path: &Path, text_len: u64) -> Result<Domains> {
+        let text = std::fs::read_to_string(path).map_err(|e| UsageError(format!("--domains {}: {e}", path.display())))?;
+        Ok(Self::parse(&text, &path.display().to_string(), text_len).map_err(UsageError)?)
+    }
+
+    pub fn to_tsv(&self) -> String {
+        let mut s = String::from(HEADER);
+        s.push('\n');
+        for r in &self.ranges {
+            s += &format!("{}\t{}\t{}\t{}\n", r.start, r.end, r.domain, r.tokens.unwrap_or(0));
+        }
+        s
+    }
+
+    pub fn write(&self, path: &Path) -> Result<()> {
+        if self.ranges.iter().any(|r| r.domain.contains(['\t', '\n'])) {
+            bail!("a domain name holds a tab or newline");
+        }
+        atomic::write_bytes(path, self.to_tsv().as_bytes()).with_context(|| format!("writing domains {}", path.display()))
+    }
+
+    /// For each byte offset in `offsets` (ascending), the index into `names()` of the range
+    /// holding it, or None for bytes outside every range.
+    pub fn domain_of_offsets(&self, offsets: &[u64]) -> Vec<Option<u16>> {
+        let names = self.names();
+        let ids: Vec<u16> = self.ranges.iter().map(|r| names.iter().position(|n| n == &r.domain).unwrap() as u16).collect();
+        let mut out = Vec::with_capacity(offsets.len());
+        let mut i = 0;
+        for &o in offsets {
+            while i < self.ranges.len() && self.ranges[i].end <= o {
+                i += 1;
+            }
+            out.push((i < self.ranges.len() && self.ranges[i].start <= o).then(|| ids[i]));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_maps_offsets() {
+        let d = Domains::parse("start\tend\tdomain\ttokens\n0\t5\ta\t2\n5\t9\tb\t1\n12\t15\ta\t3\n", "d.tsv", 20).unwrap();
+        assert_eq!(d.names(), ["a", "b"]);
+        assert_eq!(Domains::parse(&d.to_tsv(), "x", 20).unwrap(), d);
+        assert_eq!(d.domain_of_offsets(&[0, 4, 5, 8, 9, 11, 12, 14, 15, 19]), [Some(0), Some(0), Some(1), Some(1), None, None, Some(0), Some(0), None, None]);
+    }
+
+    #[test]
+    fn bad_ranges_are_named() {
+        let e = Domains::parse("start\tend\tdomain\ttokens\n0\t30\ta\t1\n", "d.tsv", 20).unwrap_err();
+        assert!(e.contains("d.tsv:2") && e.contains("does not fit the text (20 bytes)"), "{e}");
+        let e = Domains::parse("start\tend\tdomain\ttokens\n0\t10\ta\t1\n5\t12\tb\t1\n", "d.tsv", 20).unwrap_err();
+        assert!(e.contains("d.tsv:3") && e.contains("overlaps"), "{e}");
+        let e = Domains::parse("0\t10\ta\n", "d.tsv", 20).unwrap_err();
+        assert!(e.contains("header"), "{e}");
+        let e = Domains::parse("start\tend\tdomain\n4\t4\ta\n", "d.tsv", 20).unwrap_err();
+        assert!(e.contains("empty or reversed"), "{e}");
+        let e = Domains::parse("start\tend\tdomain\nx\t4\ta\n", "d.tsv", 20).unwrap_err();
+        assert!(e.contains("start \"x\""), "{e}");
+    }
+}
