@@ -253,10 +253,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     };
     if let Some((sig, i)) = interrupted.as_ref().filter(|(_, i)| i.tokens == 0) {
         out.writer.finish()?;
-        bail!(crate::error::Interrupted {
-            signal: *sig,
-            message: format!("interrupted by {} before chunk {} was evaluated: nothing new was written", i.signal, i.chunk),
-        });
+        bail!(stopped_by(*sig, i, None));
     }
     let state = ctx.observer().imatrix.state.clone();
     out.writer.send(plan.job(SaveRequest { at: None, state }));
@@ -300,20 +297,26 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     if let Some(t) = &plan.args.trace_out {
         eprintln!("routing trace written to {} ({} rows)", t.display(), ctx.observer().reap.as_ref().and_then(|r| r.trace.as_ref()).map_or(0, |t| t.rows));
     }
-    if let Some((signal, i)) = interrupted {
-        bail!(crate::error::Interrupted {
-            signal,
-            message: format!(
-                "interrupted by {} during chunk {}: the outputs hold the {} tokens evaluated ({} whole chunks); {} records the interruption",
-                i.signal,
-                i.chunk,
-                i.tokens,
-                i.chunks_done,
-                plan.manifest_path().display()
-            ),
-        });
+    if let Some((sig, i)) = interrupted {
+        bail!(stopped_by(sig, &i, Some(&plan.manifest_path())));
     }
     Ok(())
+}
+
+/// The error of a run a signal stopped; `manifest`: where the outputs were recorded, if any.
+fn stopped_by(signal: i32, i: &Interruption, manifest: Option<&Path>) -> crate::error::Interrupted {
+    let message = match manifest {
+        None => format!("interrupted by {} before chunk {} was evaluated: nothing new was written", i.signal, i.chunk),
+        Some(m) => format!(
+            "interrupted by {} during chunk {}: the outputs hold the {} tokens evaluated ({} whole chunks); {} records the interruption",
+            i.signal,
+            i.chunk,
+            i.tokens,
+            i.chunks_done,
+            m.display()
+        ),
+    };
+    crate::error::Interrupted { signal, message }
 }
 
 /// Everything that leaves the compute thread: checkpoints, the saliency JSON, trace rows.
