@@ -8,6 +8,7 @@ pub mod analyze;
 pub mod calibrate;
 pub mod cli;
 pub mod collect;
+pub mod decode;
 pub mod error;
 pub mod fixture;
 pub mod formats;

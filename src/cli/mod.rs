@@ -62,6 +62,8 @@ enum Command {
     Replay(crate::analyze::replay::ReplayArgs),
     /// Re-run a recorded run (its manifest) and report whether every output is byte-identical.
     Reproduce(crate::analyze::reproduce::ReproduceArgs),
+    /// Generate from prompts and write the routing trace of prefill and decode (see docs/formats.md).
+    TraceDecode(crate::decode::TraceDecodeArgs),
 }
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
@@ -69,6 +71,8 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
     if !subcommands().iter().any(|(n, _)| n == first) {
         return drop_in(argv);
     }
+    // trace-decode takes llama.cpp's single-dash long flags (-ngl, -ub, -fa) as the drop-in does
+    let argv = if first == "trace-decode" { argv::normalize(argv).0 } else { argv };
     let cli = match Tools::try_parse_from(&argv) {
         Ok(c) => c,
         Err(e) => {
@@ -83,6 +87,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Select(args) => crate::analyze::select::run(&args),
         Command::Replay(args) => crate::analyze::replay::run(&args),
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
+        Command::TraceDecode(args) => crate::decode::run(&args),
     }
 }
 

@@ -91,6 +91,58 @@ impl Model {
     }
 }
 
+/// One chat message, for `Model::apply_chat_template`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl Model {
+    /// The model's own chat template (`tokenizer.chat_template`), if it has one.
+    pub fn chat_template(&self) -> Option<String> {
+        // SAFETY: returns a pointer into the model's metadata, or null.
+        let p = unsafe { sys::llama_model_chat_template(self.raw, std::ptr::null()) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: a NUL-terminated string owned by the model, copied out at once.
+        Some(unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
+
+    /// Renders `messages` with the model's chat template through llama.cpp's
+    /// `llama_chat_apply_template` (its built-in list of templates, no Jinja), ending with the
+    /// assistant's turn opened (`add_assistant`). Errors when the model has no template or
+    /// llama.cpp does not recognise it.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_assistant: bool) -> Result<String> {
+        let Some(tmpl) = self.chat_template() else { bail!("the model has no chat template (tokenizer.chat_template)") };
+        let tmpl = CString::new(tmpl).context("the chat template contains a NUL byte")?;
+        let owned: Vec<(CString, CString)> = messages
+            .iter()
+            .map(|m| Ok((CString::new(m.role.as_str())?, CString::new(m.content.as_str())?)))
+            .collect::<Result<_, std::ffi::NulError>>()
+            .context("a chat message contains a NUL byte")?;
+        let msgs: Vec<sys::llama_chat_message> =
+            owned.iter().map(|(r, c)| sys::llama_chat_message { role: r.as_ptr(), content: c.as_ptr() }).collect();
+        let total: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum();
+        let mut buf = vec![0u8; 2 * total + 256];
+        // SAFETY: the messages' strings outlive the call; buffer and length are passed together.
+        let call = |buf: &mut Vec<u8>| unsafe {
+            sys::llama_chat_apply_template(tmpl.as_ptr(), msgs.as_ptr(), msgs.len(), add_assistant, buf.as_mut_ptr().cast(), buf.len() as i32)
+        };
+        let mut n = call(&mut buf);
+        if n > buf.len() as i32 {
+            buf.resize(n as usize, 0);
+            n = call(&mut buf);
+        }
+        if n < 0 {
+            bail!("llama.cpp does not support this model's chat template (llama_chat_apply_template returned {n})");
+        }
+        buf.truncate(n as usize);
+        String::from_utf8(buf).context("the rendered chat is not UTF-8")
+    }
+}
+
 impl Drop for Model {
     fn drop(&mut self) {
         // SAFETY: owned pointer, freed once.
@@ -117,6 +169,25 @@ impl Vocab<'_> {
     }
     pub fn add_eos(&self) -> bool {
         unsafe { sys::llama_vocab_get_add_eos(self.raw) }
+    }
+
+    /// End of generation (EOS, EOT, …).
+    pub fn is_eog(&self, token: i32) -> bool {
+        unsafe { sys::llama_vocab_is_eog(self.raw, token) }
+    }
+
+    /// The token's text, special tokens rendered (as `llama-simple` prints them).
+    pub fn piece(&self, token: i32) -> Vec<u8> {
+        let mut buf = vec![0u8; 128];
+        // SAFETY: buffer and its length are passed together; a negative result is the size needed.
+        let call = |buf: &mut Vec<u8>| unsafe { sys::llama_token_to_piece(self.raw, token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, true) };
+        let mut n = call(&mut buf);
+        if n < 0 {
+            buf.resize((-n) as usize, 0);
+            n = call(&mut buf);
+        }
+        buf.truncate(n.max(0) as usize);
+        buf
     }
 
     /// Tokenises `text` as upstream's `common_tokenize` does.
