@@ -1,6 +1,7 @@
 //! All integration tests, in one binary (one link, shared fixtures).
 
 mod build_steps;
+mod decode;
 mod drop_in;
 mod fixture;
 mod manifest;
