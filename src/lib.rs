@@ -9,6 +9,7 @@ pub mod calibrate;
 pub mod cli;
 pub mod collect;
 pub mod corpus;
+pub mod decode;
 pub mod error;
 pub mod fixture;
 pub mod formats;

@@ -5,7 +5,7 @@
 use crate::error::UsageError;
 use crate::formats::imatrix as imatrix_file;
 use crate::formats::saliency::{AppliedGate, LayerSums, ReferenceSums, Saliency};
-use crate::formats::trace::{TraceReader, FLAG_NORMALISED};
+use crate::formats::trace::{phase_name, TraceReader, FLAG_DECODE, FLAG_NORMALISED, PHASE_DECODE, PHASE_PREFILL};
 use anyhow::Result;
 use std::path::PathBuf;
 
@@ -13,11 +13,12 @@ use std::path::PathBuf;
 pub struct CheckArgs {
     /// saliency JSON (from --reap-out)
     #[arg(long = "reap", value_name = "FILE")]
-    pub reap: PathBuf,
+    pub reap: Option<PathBuf>,
     /// the imatrix of the same run: its ffn_down_exps counts must equal the JSON's counts
     #[arg(long = "imatrix", value_name = "FILE")]
     pub imatrix: Option<PathBuf>,
-    /// the routing trace of the same run
+    /// a routing trace: checked on its own, and against --reap (the same run's, or for a
+    /// trace-decode trace any run of the same model)
     #[arg(long = "trace", value_name = "FILE")]
     pub trace: Option<PathBuf>,
     /// slot share of the heaviest experts: how many to list per layer
@@ -220,13 +221,24 @@ fn list_if_any(v: &[usize]) -> String {
 }
 
 pub fn run(args: &CheckArgs) -> Result<i32> {
-    let s = Saliency::read(&args.reap).map_err(|e| UsageError(format!("{e:#}")))?;
+    if args.reap.is_none() && args.trace.is_none() {
+        return Err(UsageError("give --reap FILE, --trace FILE, or both".into()).into());
+    }
+    if args.imatrix.is_some() && args.reap.is_none() {
+        return Err(UsageError("--imatrix is compared with the saliency JSON: give --reap too".into()).into());
+    }
+    let s = match &args.reap {
+        Some(p) => Some(Saliency::read(p).map_err(|e| UsageError(format!("{e:#}")))?),
+        None => None,
+    };
     let mut rep = Report::default();
-    let gating = Gating::from_metadata(&s);
-    let normalised = gating.normalised;
-    check_saliency(&s, gating, args.top, &mut rep);
+    let gating = s.as_ref().map(Gating::from_metadata);
+    let normalised = gating.and_then(|g| g.normalised);
+    if let (Some(s), Some(g)) = (&s, gating) {
+        check_saliency(s, g, args.top, &mut rep);
+    }
 
-    if let Some(p) = &args.imatrix {
+    if let (Some(p), Some(s)) = (&args.imatrix, &s) {
         let im = imatrix_file::load(p).map_err(|e| UsageError(format!("{e:#}")))?;
         let im_tokens = im.chunk_count as i64 * im.chunk_size as i64;
         // a run killed between writing its imatrix and its JSON leaves them one checkpoint
@@ -253,59 +265,200 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
         }
     }
 
+    let mut trace_rows = None;
     if let Some(p) = &args.trace {
         let t = TraceReader::open(p).map_err(|e| UsageError(format!("{e:#}")))?;
         if t.header_count_missing {
             rep.notes.push(format!("trace {}: header says 0 rows; read the {} rows present", p.display(), t.n_rows));
         }
-        // the trace is appended between checkpoints, so after a kill (or with the JSON of an
-        // earlier checkpoint) it may hold more rows than the JSON counted, never fewer
-        rep.check(
-            t.n_rows >= s.trace_tokens_written,
-            format!("trace rows {} ≥ trace_tokens_written {}", t.n_rows, s.trace_tokens_written),
-        );
-        if t.n_rows > s.trace_tokens_written {
-            rep.notes.push(format!(
-                "trace holds {} rows, {} more than this JSON's checkpoint counted (the run went on after it, or was stopped): its first {} rows are compared",
-                t.n_rows,
-                t.n_rows - s.trace_tokens_written,
-                s.trace_tokens_written
-            ));
-        }
-        let layers_match = t.header.layers == s.layers.iter().map(|l| l.layer).collect::<Vec<_>>();
-        rep.check(layers_match, format!("trace layers {:?} are the JSON's MoE layers", t.header.layers));
-        if let Some(n) = normalised {
-            rep.check((t.header.flags & FLAG_NORMALISED != 0) == n, "trace and JSON agree on normalised gating");
-        }
-        if layers_match && s.trace_tokens_written == s.tokens && t.n_rows >= s.tokens && s.nonfinite_drops == 0 {
-            let k = t.header.k as usize;
-            let mut counts: Vec<Vec<u64>> = s.layers.iter().map(|l| vec![0; l.n_expert]).collect();
-            for r in t.rows().take(s.tokens as usize) {
-                for (li, c) in counts.iter_mut().enumerate() {
-                    for &e in &r.sel_ids(li)[..k] {
-                        if let Some(x) = c.get_mut(e as usize) {
-                            *x += 1;
-                        }
-                    }
-                }
-            }
-            for (li, l) in s.layers.iter().enumerate() {
-                rep.check(counts[li] == l.count, format!("layer {}: counts recomputed from the trace equal the JSON's", l.layer));
-            }
-        } else {
-            rep.notes.push(format!(
-                "trace covers {} of {} tokens: counts not recomputed from it (only a whole-run trace can match)",
-                t.n_rows, s.tokens
-            ));
+        trace_rows = Some(t.n_rows);
+        let phases = check_trace(&t, args.top, &mut rep);
+        if let Some(s) = &s {
+            compare_trace(&t, s, normalised, &phases, &mut rep);
         }
     }
 
-    print_report(args, &s, &rep);
+    print_report(args, s.as_ref(), trace_rows, &rep);
     Ok(if rep.all_hold() { 0 } else { crate::error::EXIT_FAILURE })
 }
 
-fn print_report(args: &CheckArgs, s: &Saliency, rep: &Report) {
-    println!("check {}: {} tokens, {} MoE layers, {} non-finite drops", args.reap.display(), s.tokens, s.layers.len(), s.nonfinite_drops);
+/// Per phase (prefill, decode): rows, and per MoE layer the times each expert was selected.
+pub struct PhaseCounts {
+    pub rows: [u64; 2],
+    /// `[phase][layer][expert]`
+    pub counts: [Vec<Vec<u64>>; 2],
+}
+
+/// What a trace must satisfy on its own (any trace; a decode trace also its sequence layout).
+/// Returns the selection counts recomputed from its rows, per phase.
+pub fn check_trace(t: &TraceReader, top: usize, rep: &mut Report) -> PhaseCounts {
+    let h = &t.header;
+    let (nl, ne, k) = (h.n_layers(), h.n_expert as usize, h.k as usize);
+    let decode_trace = h.flags & FLAG_DECODE != 0;
+    let mut pc = PhaseCounts { rows: [0; 2], counts: [vec![vec![0; ne]; nl], vec![vec![0; ne]; nl]] };
+    // first offending row of each invariant
+    let (mut bad_id, mut dup, mut bad_w, mut bad_norm, mut bad_cand, mut bad_phase, mut bad_seq) =
+        (None, None, None, None, None, None, None::<(u64, String)>);
+    let mut prev: Option<(u32, u32, u32)> = None; // (sequence, pos, phase)
+    let mut seen = vec![u64::MAX; ne];
+    for i in 0..t.n_rows {
+        let r = t.row(i);
+        let phase = r.phase();
+        if phase > PHASE_DECODE || (!decode_trace && phase != PHASE_PREFILL) {
+            bad_phase.get_or_insert(i);
+            continue;
+        }
+        pc.rows[phase as usize] += 1;
+        if decode_trace {
+            // each sequence: positions 0, 1, … in order, its prompt (prefill) before its
+            // generated tokens; sequences numbered 0, 1, … in order
+            let ok = match prev {
+                None => r.chunk() == 0 && r.pos() == 0 && phase == PHASE_PREFILL,
+                Some((s, pos, ph)) if r.chunk() == s => r.pos() == pos + 1 && phase >= ph,
+                Some((s, _, _)) => r.chunk() == s + 1 && r.pos() == 0 && phase == PHASE_PREFILL,
+            };
+            if !ok && bad_seq.is_none() {
+                bad_seq = Some((i, format!("sequence {} pos {} phase {}", r.chunk(), r.pos(), phase_name(phase))));
+            }
+            prev = Some((r.chunk(), r.pos(), phase));
+        }
+        for li in 0..nl {
+            let (sel, w) = (r.sel_ids(li), r.sel_weights(li));
+            let (cand, cp) = (r.cand_ids(li), r.cand_probs(li));
+            if sel.iter().chain(cand).any(|&e| e as usize >= ne) {
+                bad_id.get_or_insert(i);
+                continue;
+            }
+            let stamp = i * nl as u64 + li as u64;
+            for &e in sel {
+                if seen[e as usize] == stamp {
+                    dup.get_or_insert(i);
+                }
+                seen[e as usize] = stamp;
+                pc.counts[phase as usize][li][e as usize] += 1;
+            }
+            if w.iter().any(|x| !x.is_finite() || *x < 0.0) {
+                bad_w.get_or_insert(i);
+            } else if h.flags & FLAG_NORMALISED != 0 && !close(w.iter().map(|&x| x as f64).sum(), 1.0, 1e-4) {
+                bad_norm.get_or_insert(i);
+            }
+            if cp.iter().any(|p| !p.is_finite() || !(0.0..=1.0).contains(p)) || cp.windows(2).any(|x| x[1] > x[0]) {
+                bad_cand.get_or_insert(i);
+            }
+        }
+    }
+    let at = |r: Option<u64>| r.map_or(String::new(), |r| format!(" (fails at row {r})"));
+    rep.check(bad_phase.is_none(), format!(
+        "every row's phase is {}{}",
+        if decode_trace { "prefill or decode" } else { "prefill (not a trace-decode trace)" },
+        at(bad_phase)
+    ));
+    rep.check(bad_id.is_none(), format!("every selected and candidate expert id is below n_expert {ne}{}", at(bad_id)));
+    rep.check(dup.is_none(), format!("the {k} selected experts of each token and layer are distinct{}", at(dup)));
+    rep.check(bad_w.is_none(), format!("gate weights finite and ≥ 0{}", at(bad_w)));
+    if h.flags & FLAG_NORMALISED != 0 {
+        rep.check(bad_norm.is_none(), format!("gate weights sum to 1 over the top-k (normalised gating){}", at(bad_norm)));
+    }
+    rep.check(bad_cand.is_none(), format!("router candidates' probabilities in [0, 1], best first{}", at(bad_cand)));
+    if decode_trace {
+        let what = "sequences 0, 1, … in order, each at positions 0, 1, …, its prompt (prefill) before its generated tokens (decode)";
+        match &bad_seq {
+            None => rep.check(true, what),
+            Some((i, row)) => rep.check(false, format!("{what} (fails at row {i}: {row})")),
+        }
+    }
+    for (ph, name) in [(0usize, "prefill"), (1, "decode")] {
+        if pc.rows[ph] == 0 {
+            continue;
+        }
+        rep.notes.push(format!("trace phase {name}: {} rows", pc.rows[ph]));
+        for (li, c) in pc.counts[ph].iter().enumerate() {
+            let unused: Vec<usize> = (0..ne).filter(|&e| c[e] == 0).collect();
+            let total: u64 = c.iter().sum();
+            let mut order: Vec<usize> = (0..ne).collect();
+            order.sort_by(|&a, &b| c[b].cmp(&c[a]).then(a.cmp(&b)));
+            let heavy: Vec<String> =
+                order.iter().take(top).map(|&e| format!("{e} ({:.1}%)", 100.0 * c[e] as f64 / total.max(1) as f64)).collect();
+            rep.notes.push(format!("  {name} layer {}: {} experts never selected; heaviest slot shares: {}", h.layers[li], unused.len(), heavy.join(", ")));
+        }
+    }
+    pc
+}
+
+/// A trace against a saliency JSON: the same MoE layout always; the same tokens (row count,
+/// counts) only for the run that wrote both. A decode trace comes from trace-decode, never
+/// from the calibration run: its counts are set beside the JSON's, not compared.
+fn compare_trace(t: &TraceReader, s: &Saliency, normalised: Option<bool>, pc: &PhaseCounts, rep: &mut Report) {
+    let layers_match = t.header.layers == s.layers.iter().map(|l| l.layer).collect::<Vec<_>>();
+    rep.check(layers_match, format!("trace layers {:?} are the JSON's MoE layers", t.header.layers));
+    let shape_match = layers_match && s.layers.iter().all(|l| l.n_expert == t.header.n_expert as usize && l.n_expert_used == t.header.k as usize);
+    if layers_match {
+        rep.check(shape_match, format!("trace shape ({} experts, k = {}) is the JSON's", t.header.n_expert, t.header.k));
+    }
+    if let Some(n) = normalised {
+        rep.check((t.header.flags & FLAG_NORMALISED != 0) == n, "trace and JSON agree on normalised gating");
+    }
+    if !shape_match {
+        return;
+    }
+    if t.header.flags & FLAG_DECODE != 0 {
+        for (li, l) in s.layers.iter().enumerate() {
+            let revived: Vec<usize> = (0..l.n_expert).filter(|&e| l.count[e] == 0 && pc.counts[1][li][e] > 0).collect();
+            if !revived.is_empty() {
+                rep.notes.push(format!("layer {}: experts unused in the JSON's run but selected while decoding: {revived:?}", l.layer));
+            }
+        }
+        rep.notes.push("decode trace (trace-decode): not the JSON's run, so its rows and counts are not compared with the JSON's".into());
+        return;
+    }
+    // the trace is appended between checkpoints, so after a kill (or with the JSON of an
+    // earlier checkpoint) it may hold more rows than the JSON counted, never fewer
+    rep.check(t.n_rows >= s.trace_tokens_written, format!("trace rows {} ≥ trace_tokens_written {}", t.n_rows, s.trace_tokens_written));
+    if t.n_rows > s.trace_tokens_written {
+        rep.notes.push(format!(
+            "trace holds {} rows, {} more than this JSON's checkpoint counted (the run went on after it, or was stopped): its first {} rows are compared",
+            t.n_rows,
+            t.n_rows - s.trace_tokens_written,
+            s.trace_tokens_written
+        ));
+    }
+    if s.trace_tokens_written == s.tokens && t.n_rows >= s.tokens && s.nonfinite_drops == 0 {
+        // a calibration trace is all prefill: its prefill counts are the whole trace's
+        let counts = if t.n_rows == s.tokens { pc.counts[0].clone() } else { counts_of_first_rows(t, s, s.tokens) };
+        for (li, l) in s.layers.iter().enumerate() {
+            rep.check(counts[li] == l.count, format!("layer {}: counts recomputed from the trace equal the JSON's", l.layer));
+        }
+    } else {
+        rep.notes.push(format!(
+            "trace covers {} of {} tokens: counts not recomputed from it (only a whole-run trace can match)",
+            t.n_rows, s.tokens
+        ));
+    }
+}
+
+/// Selection counts per layer and expert over the first `n` rows of a trace.
+fn counts_of_first_rows(t: &TraceReader, s: &Saliency, n: u64) -> Vec<Vec<u64>> {
+    let k = t.header.k as usize;
+    let mut counts: Vec<Vec<u64>> = s.layers.iter().map(|l| vec![0; l.n_expert]).collect();
+    for r in t.rows().take(n as usize) {
+        for (li, c) in counts.iter_mut().enumerate() {
+            for &e in &r.sel_ids(li)[..k] {
+                if let Some(x) = c.get_mut(e as usize) {
+                    *x += 1;
+                }
+            }
+        }
+    }
+    counts
+}
+
+fn print_report(args: &CheckArgs, s: Option<&Saliency>, trace_rows: Option<u64>, rep: &Report) {
+    match (s, &args.reap) {
+        (Some(s), Some(p)) => {
+            println!("check {}: {} tokens, {} MoE layers, {} non-finite drops", p.display(), s.tokens, s.layers.len(), s.nonfinite_drops)
+        }
+        _ => println!("check {}: {} rows", args.trace.as_deref().unwrap_or(std::path::Path::new("?")).display(), trace_rows.unwrap_or(0)),
+    }
     for f in &rep.findings {
         println!("  [{}] {}", if f.ok { "ok" } else { "FAIL" }, f.what);
     }

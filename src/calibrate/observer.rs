@@ -54,6 +54,9 @@ pub struct CalibrationObserver {
     pub interrupted: bool,
     /// tokens of the ubatches started so far (all of them complete when the run is interrupted)
     pub tokens_begun: u64,
+    /// read the matmul inputs for the imatrix (true for calibration; `trace-decode` wants
+    /// routing only)
+    pub collect_imatrix: bool,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -87,6 +90,7 @@ impl CalibrationObserver {
             busy: std::time::Duration::ZERO,
             interrupted: false,
             tokens_begun: 0,
+            collect_imatrix: true,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -139,17 +143,10 @@ impl CalibrationObserver {
         if t.done() || r.sums.layers.is_empty() {
             return;
         }
-        let k = r.sums.layers[0].n_expert_used;
         // --trace-top-n is at most n_expert
         t.top_n = t.top_n.min(r.sums.layers[0].n_expert);
-        let header = crate::formats::trace::TraceHeader {
-            layers: r.sums.layers.iter().map(|l| l.layer).collect(),
-            n_expert: r.sums.layers[0].n_expert as u32,
-            k: k as u32,
-            top_n: t.top_n as u32,
-            n_tokens: 0,
-            flags: 0,
-        };
+        let Some(header) = r.trace_header() else { return };
+        let t = r.trace.as_mut().unwrap();
         let sources = &r.batch.ubatches[u];
         t.add_ubatch(&header.layout(), &r.sums.routing, sources);
     }
@@ -246,6 +243,21 @@ impl ReapState {
     pub fn new(trace: Option<TraceRows>) -> Self {
         ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, gating_op: None, rows_handed: 0 }
     }
+
+    /// The trace header for what the graph has shown so far (0 rows, flags: normalised gating);
+    /// None before the first MoE layer was seen or without a trace.
+    pub fn trace_header(&self) -> Option<crate::formats::trace::TraceHeader> {
+        let (t, first) = (self.trace.as_ref()?, self.sums.layers.first()?);
+        let normalised = self.weights_node.as_deref().is_some_and(|n| n.starts_with("ffn_moe_weights_norm"));
+        Some(crate::formats::trace::TraceHeader {
+            layers: self.sums.layers.iter().map(|l| l.layer).collect(),
+            n_expert: first.n_expert as u32,
+            k: first.n_expert_used as u32,
+            top_n: t.top_n.min(first.n_expert) as u32,
+            n_tokens: 0,
+            flags: if normalised { crate::formats::trace::FLAG_NORMALISED } else { 0 },
+        })
+    }
 }
 
 fn is_reap_node(node: Node<'_>) -> bool {
@@ -268,6 +280,9 @@ impl GraphObserver for CalibrationObserver {
         }
         if self.reap.is_some() && is_reap_node(node) {
             return true;
+        }
+        if !self.collect_imatrix {
+            return false;
         }
         let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return false };
         let t = node.info();
@@ -297,7 +312,7 @@ impl CalibrationObserver {
             return false;
         }
         let op = node.info().op;
-        if op == sys::GGML_OP_MUL_MAT || op == sys::GGML_OP_MUL_MAT_ID {
+        if self.collect_imatrix && (op == sys::GGML_OP_MUL_MAT || op == sys::GGML_OP_MUL_MAT_ID) {
             if !self.observe_imatrix(node) {
                 return false;
             }

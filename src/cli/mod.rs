@@ -71,6 +71,8 @@ enum Command {
     Reproduce(crate::analyze::reproduce::ReproduceArgs),
     /// Write a saliency JSON in another tool's terms (CerebrasResearch/reap's observer state).
     Export(crate::analyze::export::ExportArgs),
+    /// Generate from prompts and write the routing trace of prefill and decode (see docs/formats.md).
+    TraceDecode(crate::decode::TraceDecodeArgs),
 }
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
@@ -79,6 +81,8 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
     if !subcommands().iter().any(|(n, _)| n == first) {
         return drop_in(argv);
     }
+    // trace-decode takes llama.cpp's single-dash long flags (-ngl, -ub, -fa) as the drop-in does
+    let argv = if first == "trace-decode" { argv::normalize(argv).0 } else { argv };
     let cli = match Tools::try_parse_from(&argv) {
         Ok(c) => c,
         Err(e) => {
@@ -97,6 +101,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
         Command::Export(args) => crate::analyze::export::run(&args),
         Command::Corpus(args) => crate::corpus::run(&args),
+        Command::TraceDecode(args) => crate::decode::run(&args),
     }
 }
 

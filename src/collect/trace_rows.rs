@@ -83,12 +83,15 @@ pub struct TraceRows {
     pub rows: u64,
     pub buf: Vec<u8>,
     pub pending_rows: u64,
+    /// the phase of the rows being added (the driver sets it before each decode: a batch is
+    /// all prompt or one generated token)
+    pub phase: u32,
     order: Vec<u16>,
 }
 
 impl TraceRows {
     pub fn new(top_n: usize, limit: u64) -> Self {
-        TraceRows { top_n, limit, rows: 0, buf: Vec::new(), pending_rows: 0, order: Vec::new() }
+        TraceRows { top_n, limit, rows: 0, buf: Vec::new(), pending_rows: 0, phase: crate::formats::trace::PHASE_PREFILL, order: Vec::new() }
     }
 
     pub fn done(&self) -> bool {
@@ -118,7 +121,7 @@ impl TraceRows {
                 }
             }
             layout.encode(
-                &RowData { chunk, pos, token, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id },
+                &RowData { chunk, pos, token, phase: self.phase, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id },
                 &mut self.buf,
             );
             self.rows += 1;

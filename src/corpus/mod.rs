@@ -310,7 +310,7 @@ fn render_all(docs: Vec<sources::Doc>, template: Option<&str>, what: &str, model
                             model.display()
                         )));
                     };
-                    chat::apply_template(t, &m).with_context(|| format!("{what}, line {}", d.line))?
+                    chat::apply_template(t, &m, false).with_context(|| format!("{what}, line {}", d.line))?
                 }
             };
             Ok((d.line, text))

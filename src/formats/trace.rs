@@ -10,9 +10,27 @@ use std::io::{Seek, SeekFrom, Write};
 use std::path::Path;
 
 pub const MAGIC: &[u8; 8] = b"REAPTRC1";
-pub const VERSION: u32 = 1;
+/// Version 2 gives each row a phase (the u32 that version 1 left reserved, always 0 there, so a
+/// version-1 row reads as prefill). Both are read; version 2 is written.
+pub const VERSION: u32 = 2;
 /// flags bit 0: the gate weights are normalised over the top-k
 pub const FLAG_NORMALISED: u32 = 1;
+/// flags bit 1: written by `trace-decode`: `chunk` is the prompt index (the sequence), each
+/// sequence's rows are its prompt (phase prefill) then its generated tokens (phase decode)
+pub const FLAG_DECODE: u32 = 2;
+/// Row phases: a token of the evaluated text or prompt (teacher-forced)...
+pub const PHASE_PREFILL: u32 = 0;
+/// ... or a token the model generated, fed back one at a time.
+pub const PHASE_DECODE: u32 = 1;
+
+/// The phase's name, as the CLI and the JSON outputs spell it.
+pub fn phase_name(phase: u32) -> &'static str {
+    match phase {
+        PHASE_PREFILL => "prefill",
+        PHASE_DECODE => "decode",
+        _ => "unknown",
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceHeader {
@@ -24,6 +42,9 @@ pub struct TraceHeader {
     pub n_tokens: u64,
     pub flags: u32,
 }
+
+/// The versions `decode` accepts.
+const READABLE_VERSIONS: [u32; 2] = [1, 2];
 
 impl TraceHeader {
     pub fn n_layers(&self) -> usize {
@@ -62,8 +83,8 @@ impl TraceHeader {
         }
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
         let version = u32_at(8);
-        if version != VERSION {
-            bail!("unsupported trace version {version} (this build reads {VERSION})");
+        if !READABLE_VERSIONS.contains(&version) {
+            bail!("unsupported trace version {version} (this build reads versions 1 and 2)");
         }
         let n_layers = u32_at(16) as usize;
         let header_size = u32_at(12) as usize;
@@ -116,6 +137,8 @@ pub struct RowData<'a> {
     pub chunk: u32,
     pub pos: u32,
     pub token: i32,
+    /// PHASE_PREFILL or PHASE_DECODE
+    pub phase: u32,
     /// L·k, layer-major
     pub sel_weight: &'a [f32],
     pub cand_prob: &'a [f32],
@@ -130,7 +153,7 @@ impl RowLayout {
         out.extend_from_slice(&r.chunk.to_le_bytes());
         out.extend_from_slice(&r.pos.to_le_bytes());
         out.extend_from_slice(&r.token.to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&r.phase.to_le_bytes());
         out.extend(r.sel_weight.iter().flat_map(|v| v.to_le_bytes()));
         out.extend(r.cand_prob.iter().flat_map(|v| v.to_le_bytes()));
         out.extend(r.sel_id.iter().flat_map(|v| v.to_le_bytes()));
@@ -257,6 +280,10 @@ impl<'a> Row<'a> {
     pub fn token(&self) -> i32 {
         self.u32_at(8) as i32
     }
+    /// PHASE_PREFILL or PHASE_DECODE (version-1 rows hold 0 here: prefill).
+    pub fn phase(&self) -> u32 {
+        self.u32_at(12)
+    }
     /// The model's selected experts in layer slot `li` (index into the header's layer list).
     pub fn sel_ids(&self, li: usize) -> &'a [u16] {
         cast_u16(&self.b[self.l.sel_id + 2 * li * self.l.k..][..2 * self.l.k])
@@ -303,7 +330,7 @@ mod tests {
         let cand_p: Vec<f32> = (0..l * 4).map(|i| 1.0 / (i + 1) as f32).collect();
         let sel_id: Vec<u16> = (0..l * 2).map(|i| ((i as u32 + t) % 16) as u16).collect();
         let cand_id: Vec<u16> = (0..l * 4).map(|i| ((i as u32 * 3 + t) % 16) as u16).collect();
-        h.layout().encode(&RowData { chunk: t / 4, pos: t % 4, token: 1000 + t as i32, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id }, out);
+        h.layout().encode(&RowData { chunk: t / 4, pos: t % 4, token: 1000 + t as i32, phase: t % 2, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id }, out);
     }
 
     fn tmp(name: &str) -> std::path::PathBuf {
@@ -338,7 +365,8 @@ mod tests {
         let r = TraceReader::open(&p).unwrap();
         assert_eq!(r.n_rows, 5);
         let x = r.row(3);
-        assert_eq!((x.chunk(), x.pos(), x.token()), (0, 3, 1003));
+        assert_eq!((x.chunk(), x.pos(), x.token(), x.phase()), (0, 3, 1003, PHASE_DECODE));
+        assert_eq!(r.row(2).phase(), PHASE_PREFILL);
         assert_eq!(x.sel_ids(1), &[((2 + 3) % 16) as u16, ((3 + 3) % 16) as u16]);
         assert_eq!(x.sel_weights(2), &[4.0 * 0.5 + 3.0, 5.0 * 0.5 + 3.0]);
         assert_eq!(x.cand_ids(0).len(), 4);
@@ -370,6 +398,53 @@ mod tests {
         std::fs::write(&p, &bytes).unwrap();
         let r = TraceReader::open(&p).unwrap();
         assert_eq!((r.n_rows, r.header_count_missing), (2, true));
+        let _ = std::fs::remove_file(&p);
+    }
+
+    /// A version-1 file, byte by byte as the version-1 writer laid it out (the row's fourth u32
+    /// reserved and zero), still reads: every row is prefill.
+    #[test]
+    fn a_version_1_file_reads_with_every_row_prefill() {
+        let p = tmp("v1");
+        let (l, k, n) = (2usize, 1usize, 2usize);
+        let mut b = Vec::new();
+        b.extend_from_slice(b"REAPTRC1");
+        let row_size = (16 + 6 * l * (k + n)).div_ceil(4) * 4;
+        for v in [1u32, 80, l as u32, 4, k as u32, n as u32] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&2u64.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&(row_size as u32).to_le_bytes());
+        b.extend_from_slice(&[0; 16]);
+        b.extend_from_slice(&3u32.to_le_bytes());
+        b.extend_from_slice(&7u32.to_le_bytes());
+        b.resize(80, 0);
+        for t in 0..2u32 {
+            let start = b.len();
+            for v in [5u32, t, 100 + t, 0] {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            for w in [1.0f32, 1.0, 0.7, 0.3, 0.6, 0.4] {
+                b.extend_from_slice(&w.to_le_bytes());
+            }
+            for id in [t as u16, 2, t as u16, 1, 2, 3] {
+                b.extend_from_slice(&id.to_le_bytes());
+            }
+            b.resize(start + row_size, 0);
+        }
+        std::fs::write(&p, &b).unwrap();
+        let r = TraceReader::open(&p).unwrap();
+        assert_eq!(r.header.layers, [3, 7]);
+        assert_eq!(r.n_rows, 2);
+        let x = r.row(1);
+        assert_eq!((x.chunk(), x.pos(), x.token(), x.phase()), (5, 1, 101, PHASE_PREFILL));
+        assert_eq!((x.sel_ids(0), x.sel_ids(1), x.cand_ids(1)), (&[1u16][..], &[2u16][..], &[2u16, 3][..]));
+        assert_eq!(x.cand_probs(0), &[0.7, 0.3]);
+        // an unknown version is refused by name
+        b[8] = 3;
+        std::fs::write(&p, &b).unwrap();
+        assert!(format!("{:#}", TraceReader::open(&p).err().unwrap()).contains("unsupported trace version 3"));
         let _ = std::fs::remove_file(&p);
     }
 

@@ -14,8 +14,8 @@ pub struct Message {
 }
 
 /// Renders `messages` with `template` (the GGUF's template text or a built-in name such as
-/// `chatml`), without a trailing generation prompt.
-pub fn apply_template(template: &str, messages: &[Message]) -> Result<String> {
+/// `chatml`); `add_assistant` opens the assistant's turn at the end (a generation prompt).
+pub fn apply_template(template: &str, messages: &[Message], add_assistant: bool) -> Result<String> {
     let tmpl = CString::new(template).context("chat template contains a NUL byte")?;
     let owned: Vec<(CString, CString)> = messages
         .iter()
@@ -28,7 +28,7 @@ pub fn apply_template(template: &str, messages: &[Message]) -> Result<String> {
     for _ in 0..2 {
         // SAFETY: every pointer in `chat` points into `owned`, alive for the call; buf and its
         // length are passed together.
-        let n = unsafe { sys::llama_chat_apply_template(tmpl.as_ptr(), chat.as_ptr(), chat.len(), false, buf.as_mut_ptr().cast(), buf.len() as i32) };
+        let n = unsafe { sys::llama_chat_apply_template(tmpl.as_ptr(), chat.as_ptr(), chat.len(), add_assistant, buf.as_mut_ptr().cast(), buf.len() as i32) };
         if n < 0 {
             bail!("llama.cpp does not recognise this chat template (llama_chat_apply_template supports a fixed list of templates)");
         }
@@ -53,13 +53,13 @@ mod tests {
     #[test]
     fn chatml_by_name_matches_a_hand_rendering() {
         let m = [msg("system", "Be brief."), msg("user", "Hi"), msg("assistant", "Hello!")];
-        let got = apply_template("chatml", &m).unwrap();
+        let got = apply_template("chatml", &m, false).unwrap();
         assert_eq!(got, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n");
     }
 
     #[test]
     fn unknown_templates_are_refused() {
-        let e = apply_template("{{ no such template }}", &[msg("user", "x")]).unwrap_err();
+        let e = apply_template("{{ no such template }}", &[msg("user", "x")], false).unwrap_err();
         assert!(format!("{e:#}").contains("does not recognise"), "{e:#}");
     }
 }

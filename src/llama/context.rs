@@ -51,6 +51,10 @@ impl<'m, O: GraphObserver> Context<'m, O> {
         Ok(Context { raw, state, model })
     }
 
+    pub(crate) fn as_ptr(&self) -> *mut sys::llama_context {
+        self.raw
+    }
+
     pub fn model(&self) -> &'m Model {
         self.model
     }

@@ -9,6 +9,7 @@ pub mod context;
 pub mod eval_callback;
 pub mod log;
 pub mod model;
+pub mod sampler;
 pub mod sys;
 pub mod system;
 pub mod tensor;
@@ -16,7 +17,9 @@ pub mod tensor;
 pub use batch::Batch;
 pub use context::{Context, ContextParams};
 pub use eval_callback::GraphObserver;
+pub use chat::Message as ChatMessage;
 pub use model::{Model, ModelParams, Vocab};
+pub use sampler::{Sampler, Sampling};
 pub use tensor::{Node, TensorInfo};
 
 use std::sync::Once;

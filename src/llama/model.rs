@@ -105,6 +105,16 @@ impl Model {
     }
 }
 
+impl Model {
+    /// Renders `messages` with the model's own chat template (see `chat::apply_template`),
+    /// ending with the assistant's turn opened when `add_assistant`. Errors when the model has
+    /// no template or llama.cpp does not recognise it.
+    pub fn apply_chat_template(&self, messages: &[super::chat::Message], add_assistant: bool) -> Result<String> {
+        let Some(tmpl) = self.chat_template() else { bail!("the model has no chat template (tokenizer.chat_template)") };
+        super::chat::apply_template(&tmpl, messages, add_assistant)
+    }
+}
+
 impl Drop for Model {
     fn drop(&mut self) {
         // SAFETY: owned pointer, freed once.
@@ -136,6 +146,25 @@ impl Vocab<'_> {
     }
     pub fn add_eos(&self) -> bool {
         unsafe { sys::llama_vocab_get_add_eos(self.raw) }
+    }
+
+    /// End of generation (EOS, EOT, …).
+    pub fn is_eog(&self, token: i32) -> bool {
+        unsafe { sys::llama_vocab_is_eog(self.raw, token) }
+    }
+
+    /// The token's text, special tokens rendered (as `llama-simple` prints them).
+    pub fn piece(&self, token: i32) -> Vec<u8> {
+        let mut buf = vec![0u8; 128];
+        // SAFETY: buffer and its length are passed together; a negative result is the size needed.
+        let call = |buf: &mut Vec<u8>| unsafe { sys::llama_token_to_piece(self.raw, token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, true) };
+        let mut n = call(&mut buf);
+        if n < 0 {
+            buf.resize((-n) as usize, 0);
+            n = call(&mut buf);
+        }
+        buf.truncate(n.max(0) as usize);
+        buf
     }
 
     /// Tokenises `text` as upstream's `common_tokenize` does.

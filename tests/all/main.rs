@@ -4,6 +4,7 @@ mod bad_input;
 mod build_steps;
 mod corpus;
 mod coverage;
+mod decode;
 mod drop_in;
 mod export;
 mod faults;

@@ -19,7 +19,7 @@ fn write_trace(path: &Path, blocks: &[u32], n_expert: u32, k: u32, top_n: u32, r
         let w = vec![1.0 / k as f32; sel.len()];
         let p: Vec<f32> = (0..cand.len()).map(|i| 1.0 / (2 + i % top_n as usize) as f32).collect();
         layout.encode(
-            &RowData { chunk: 0, pos: t as u32, token: t as i32, sel_weight: &w, cand_prob: &p, sel_id: &sel, cand_id: &cand },
+            &RowData { chunk: 0, pos: t as u32, token: t as i32, phase: 0, sel_weight: &w, cand_prob: &p, sel_id: &sel, cand_id: &cand },
             &mut buf,
         );
     }

@@ -180,7 +180,7 @@ fn substitution_screen_counts_pruned_slots_and_lost_probability() {
         ([2, 3], [0.5, 0.5], [2, 3, 0], [0.3, 0.3, 0.2]),   // nothing pruned
     ];
     for (t, (sel, w, cand, p)) in rows.iter().enumerate() {
-        layout.encode(&RowData { chunk: 0, pos: t as u32, token: 0, sel_weight: w, cand_prob: p, sel_id: sel, cand_id: cand }, &mut buf);
+        layout.encode(&RowData { chunk: 0, pos: t as u32, token: 0, phase: 0, sel_weight: w, cand_prob: p, sel_id: sel, cand_id: cand }, &mut buf);
     }
     f.append(&buf, 4).unwrap();
     let out_dir = d.join("o");

@@ -12,6 +12,47 @@ pub const NONE: u16 = u16::MAX;
 /// Rows between two progress counts (each pass adds its rows as it goes).
 const PROGRESS_ROWS: usize = 4096;
 
+/// The rows a replay visits, in order: a range of the trace, or (`--phase`) the rows of one
+/// phase within it. Token time t counts the visited rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rows {
+    Range(std::ops::Range<u64>),
+    List(Vec<u64>),
+}
+
+impl Rows {
+    pub fn len(&self) -> usize {
+        match self {
+            Rows::Range(r) => (r.end - r.start) as usize,
+            Rows::List(l) => l.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    #[inline]
+    pub fn get(&self, i: usize) -> u64 {
+        match self {
+            Rows::Range(r) => r.start + i as u64,
+            Rows::List(l) => l[i],
+        }
+    }
+}
+
+impl From<std::ops::Range<u64>> for Rows {
+    fn from(r: std::ops::Range<u64>) -> Self {
+        Rows::Range(r)
+    }
+}
+
+/// One simulator's hits and misses split by the phase of the row (`[prefill, decode]`, per
+/// layer); the two add up to its totals.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PhaseSplit {
+    pub hits: [Vec<u64>; 2],
+    pub misses: [Vec<u64>; 2],
+}
+
 /// One (token, layer) as the policies see it. Slices are the layer's own (length n_expert for
 /// per-expert arrays).
 pub struct Step<'a> {
@@ -148,14 +189,17 @@ pub struct Forced {
     pub forced: Vec<u64>,
     /// per layer: tokens with fewer than k survivors among the candidates
     pub tokens_short: Vec<u64>,
+    /// per phase (`[prefill, decode]`): rows replayed, and forced misses per layer
+    pub phase_rows: [u64; 2],
+    pub phase_forced: [Vec<u64>; 2],
 }
 
 /// Belady's next-use array for rows `rows` (one backward pass): entry `((t·L + li)·k + j)` is
 /// the relative token index of the next use of pick j of (t, li) in layer li, `u32::MAX` when
 /// never. Slots a token does not fill stay unused.
-pub fn next_uses(trace: &TraceReader, rows: std::ops::Range<u64>, shape: Shape, keep: Option<&[bool]>) -> Result<Vec<u32>> {
+pub fn next_uses(trace: &TraceReader, rows: &Rows, shape: Shape, keep: Option<&[bool]>) -> Result<Vec<u32>> {
     let (nl, ne, k) = (shape.n_layers, shape.n_expert, shape.k);
-    let n = (rows.end - rows.start) as usize;
+    let n = rows.len();
     let mut next = vec![u32::MAX; n * nl * k];
     let mut seen = vec![u32::MAX; nl * ne];
     let mut router = Router::new(shape, keep, false);
@@ -163,10 +207,10 @@ pub fn next_uses(trace: &TraceReader, rows: std::ops::Range<u64>, shape: Shape, 
         if ti % PROGRESS_ROWS == 0 {
             crate::progress::add(PROGRESS_ROWS.min(n - ti) as u64);
         }
-        let row = trace.row(rows.start + ti as u64);
+        let row = trace.row(rows.get(ti));
         for li in 0..nl {
             let r = router.route(&row, li);
-            check_ids(r.picks, ne, rows.start + ti as u64, li)?;
+            check_ids(r.picks, ne, rows.get(ti), li)?;
             let base = (ti * nl + li) * k;
             let seen = &mut seen[li * ne..(li + 1) * ne];
             for (j, &e) in r.picks.iter().enumerate() {
@@ -192,34 +236,74 @@ fn check_ids(ids: &[u16], ne: usize, row: u64, li: usize) -> Result<()> {
     Ok(())
 }
 
-/// Runs every family over rows `rows` in one forward pass.
+/// Runs every family over rows `rows` in one forward pass. Returns the engine's counts and,
+/// per simulator (in the order of the families' `counts()`), hits and misses split by phase.
 pub fn run(
     trace: &TraceReader,
-    rows: std::ops::Range<u64>,
+    rows: impl Into<Rows>,
     shape: Shape,
     keep: Option<&[bool]>,
     families: &mut [Box<dyn Family + '_>],
-) -> Result<Forced> {
+) -> Result<(Forced, Vec<PhaseSplit>)> {
+    let rows: Rows = rows.into();
     let (nl, ne) = (shape.n_layers, shape.n_expert);
     let depth = families.iter().map(|f| f.candidate_depth()).max().unwrap_or(0);
     let want_ranks = depth > 0;
     let mut router = Router::new(shape, keep, want_ranks);
     let mut cur = vec![0u32; nl * ne];
-    let mut forced = Forced { forced: vec![0; nl], tokens_short: vec![0; nl] };
+    let mut forced = Forced {
+        forced: vec![0; nl],
+        tokens_short: vec![0; nl],
+        phase_rows: [0; 2],
+        phase_forced: [vec![0; nl], vec![0; nl]],
+    };
+    // counts are attributed to a phase by snapshots at each change of phase (twice per
+    // sequence of a decode trace, never in a calibration trace)
+    let mut splits: Vec<PhaseSplit> = Vec::new();
+    let mut last: Vec<SimCounts> = Vec::new();
+    let mut last_forced = vec![0u64; nl];
+    let mut phase = None;
+    let mut close_phase = |ph: usize, families: &mut [Box<dyn Family + '_>], forced: &mut Forced| {
+        let now: Vec<SimCounts> = families.iter().flat_map(|f| f.counts()).collect();
+        if splits.is_empty() {
+            splits = now.iter().map(|c| PhaseSplit { hits: [vec![0; c.hits.len()], vec![0; c.hits.len()]], misses: [vec![0; c.hits.len()], vec![0; c.hits.len()]] }).collect();
+        }
+        for (i, c) in now.iter().enumerate() {
+            for li in 0..c.hits.len() {
+                let (h0, m0) = last.get(i).map_or((0, 0), |p| (p.hits[li], p.misses[li]));
+                splits[i].hits[ph][li] += c.hits[li] - h0;
+                splits[i].misses[ph][li] += c.misses[li] - m0;
+            }
+        }
+        for li in 0..nl {
+            forced.phase_forced[ph][li] += forced.forced[li] - last_forced[li];
+            last_forced[li] = forced.forced[li];
+        }
+        last = now;
+    };
     // candidates read per (token, layer): what the policies ask for, and the keep map's
     // re-routing (usually within the first 2k)
     let depth = depth.max(if keep.is_some() { 2 * shape.k } else { 0 }).min(trace.header.top_n as usize);
     let reads_candidates = depth > 0;
-    let end = rows.end;
-    for (ti, t) in rows.enumerate() {
+    let n = rows.len();
+    for ti in 0..n {
         if ti % PROGRESS_ROWS == 0 {
-            crate::progress::add(PROGRESS_ROWS.min((end - t) as usize) as u64);
+            crate::progress::add(PROGRESS_ROWS.min(n - ti) as u64);
         }
+        let t = rows.get(ti);
         let row = trace.row(t);
-        if reads_candidates && t + 1 < end {
+        let ph = (row.phase() == crate::formats::trace::PHASE_DECODE) as usize;
+        if phase != Some(ph) {
+            if let Some(p) = phase {
+                close_phase(p, families, &mut forced);
+            }
+            phase = Some(ph);
+        }
+        forced.phase_rows[ph] += 1;
+        if reads_candidates && ti + 1 < n {
             // each layer's candidates sit a page or more apart in every row, beyond what the
             // hardware prefetchers follow: ask for the next row's while this one runs
-            let next = trace.row(t + 1);
+            let next = trace.row(rows.get(ti + 1));
             for li in 0..nl {
                 let (ids, probs) = (next.cand_ids(li), next.cand_probs(li));
                 for i in (0..depth).step_by(32) {
@@ -265,7 +349,8 @@ pub fn run(
             }
         }
     }
-    Ok(forced)
+    close_phase(phase.unwrap_or(0), families, &mut forced);
+    Ok((forced, splits))
 }
 
 #[inline(always)]
@@ -282,7 +367,7 @@ fn prefetch(p: *const i8) {
 /// Builds the Belady family (runs its backward pass).
 pub fn belady_family(
     trace: &TraceReader,
-    rows: std::ops::Range<u64>,
+    rows: &Rows,
     shape: Shape,
     keep: Option<&[bool]>,
     caps: &[Vec<usize>],

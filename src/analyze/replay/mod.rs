@@ -18,7 +18,7 @@ use crate::error::UsageError;
 use crate::formats::atomic;
 use crate::formats::trace::TraceReader;
 use anyhow::{anyhow, Result};
-use engine::{Family, Forced, Shape, SimCounts};
+use engine::{Family, Forced, Rows, Shape, SimCounts};
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -53,6 +53,34 @@ impl Policy {
             Policy::Belady => "belady",
         }
     }
+}
+
+/// `--phase`: which rows of a trace the cache sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PhaseSel {
+    All,
+    Prefill,
+    Decode,
+}
+
+impl PhaseSel {
+    pub fn name(self) -> &'static str {
+        match self {
+            PhaseSel::All => "all",
+            PhaseSel::Prefill => "prefill",
+            PhaseSel::Decode => "decode",
+        }
+    }
+}
+
+/// The rows of `range` in the selected phase (all of them for `all`).
+pub fn select_rows(trace: &TraceReader, range: Range<u64>, sel: PhaseSel) -> Rows {
+    let want = match sel {
+        PhaseSel::All => return Rows::Range(range),
+        PhaseSel::Prefill => crate::formats::trace::PHASE_PREFILL,
+        PhaseSel::Decode => crate::formats::trace::PHASE_DECODE,
+    };
+    Rows::List(range.filter(|&i| trace.row(i).phase() == want).collect())
 }
 
 #[derive(clap::Args, Debug)]
@@ -98,6 +126,10 @@ pub struct ReplayArgs {
     /// Do not run Belady's bound alongside
     #[arg(long = "no-belady")]
     pub no_belady: bool,
+    /// Rows to replay by phase: all (the cache sees prompts and generation, miss rates are
+    /// reported per phase too), or only the prompt (prefill) or generated (decode) rows
+    #[arg(long = "phase", value_enum, default_value_t = PhaseSel::All)]
+    pub phase: PhaseSel,
 
     /// (benchmark helper) write a synthetic trace here and exit
     #[arg(long = "synthetic-trace", value_name = "OUT", hide = true)]
@@ -149,13 +181,15 @@ pub struct Outcome {
     pub capacity: usize,
     pub hits: Vec<u64>,
     pub misses: Vec<u64>,
+    /// the same, split by the rows' phase
+    pub phases: engine::PhaseSplit,
 }
 
 /// Builds the families for `policies` (deduplicated, in order) and runs them.
 #[allow(clippy::too_many_arguments)]
 pub fn simulate(
     trace: &TraceReader,
-    rows: Range<u64>,
+    rows: impl Into<Rows>,
     keep: Option<&[bool]>,
     policies: &[Policy],
     caps: &[Vec<usize>],
@@ -163,6 +197,7 @@ pub fn simulate(
     near_pick_n: usize,
     near_pick_weight: f64,
 ) -> Result<(Vec<Outcome>, Forced)> {
+    let rows: Rows = rows.into();
     let h = &trace.header;
     let shape = Shape { n_layers: h.n_layers(), n_expert: h.n_expert as usize, k: h.k as usize };
     let mut fams: Vec<Box<dyn Family>> = Vec::new();
@@ -180,14 +215,15 @@ pub fn simulate(
                 Box::new(ema::Ema::new(shape, caps, decay, ema::Credit::NearPick { n: near_pick_n, w: near_pick_weight }))
             }
             Policy::InverseRouterEma => Box::new(ema::Ema::new(shape, caps, decay, ema::Credit::Router)),
-            Policy::Belady => Box::new(engine::belady_family(trace, rows.clone(), shape, keep, caps)?),
+            Policy::Belady => Box::new(engine::belady_family(trace, &rows, shape, keep, caps)?),
         });
     }
-    let forced = engine::run(trace, rows, shape, keep, &mut fams)?;
+    let (forced, splits) = engine::run(trace, rows, shape, keep, &mut fams)?;
     let outcomes = fams
         .iter()
         .flat_map(|f| f.counts())
-        .map(|SimCounts { policy, capacity, hits, misses }| Outcome { policy, capacity, hits, misses })
+        .zip(splits)
+        .map(|(SimCounts { policy, capacity, hits, misses }, phases)| Outcome { policy, capacity, hits, misses, phases })
         .collect();
     Ok((outcomes, forced))
 }
@@ -236,6 +272,18 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     };
     if rows.end - rows.start > u32::MAX as u64 - 1 {
         return Err(usage(format!("--tokens: at most {} rows per replay", u32::MAX - 1)));
+    }
+    let visit = select_rows(&trace, rows.clone(), args.phase);
+    if visit.is_empty() {
+        return Err(usage(format!(
+            "--phase {}: no {} rows in rows [{}, {}) of {}{}",
+            args.phase.name(),
+            args.phase.name(),
+            rows.start,
+            rows.end,
+            trace_path.display(),
+            if trace.header.flags & crate::formats::trace::FLAG_DECODE == 0 { " (a calibration trace is all prefill; trace-decode writes decode rows)" } else { "" }
+        )));
     }
 
     // ---- knobs
@@ -300,7 +348,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     };
     let validity = match &km {
         None => None,
-        Some((p, m)) => Some(validity(p, m, args.reap.as_deref(), &trace, &rows)?),
+        Some((p, m)) => Some(validity(p, m, args.reap.as_deref(), &trace, &rows, &visit)?),
     };
     if let Some((_, note)) = &validity {
         eprintln!("note: {note}");
@@ -324,7 +372,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     let bar = crate::progress::start(passes * (rows.end - rows.start), crate::progress::Unit::Rows);
     let (outcomes, forced) = simulate(
         &trace,
-        rows.clone(),
+        visit,
         keep_flags.as_deref(),
         &run_policies,
         &cap_layers,
@@ -405,7 +453,7 @@ fn keep_flags(path: &Path, m: &KeepMap, blocks: &[u32], ne: usize, k: usize, war
 /// Whether the replayed rows are tokens the keep map was fitted on (the audit's validity note).
 /// The map's saliency file covers the first `source.tokens` tokens of its run, and a trace holds
 /// the first tokens of its run, so rows below `source.tokens` of the same run are in-sample.
-fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, rows: &Range<u64>) -> Result<(Value, String)> {
+fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, rows: &Range<u64>, visit: &Rows) -> Result<(Value, String)> {
     let Some(src) = &m.source else {
         let note = format!(
             "keep map {} records no source: cannot tell whether these rows are in-sample (replaying a map on the tokens it was fitted on is in-sample)",
@@ -413,6 +461,21 @@ fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, 
         );
         return Ok((json!({"same_run": "unknown", "in_sample": Value::Null, "note": note}), note));
     };
+    if trace.header.flags & crate::formats::trace::FLAG_DECODE != 0 {
+        // trace-decode writes no saliency JSON: no keep map is fitted on its run
+        let note = format!(
+            "keep map fitted on {} ({} tokens of a calibration run); this trace was written by trace-decode over its own prompts and \
+             generations: out-of-sample, unless those prompts appear in the text the map was fitted on",
+            src.path, src.tokens
+        );
+        return Ok((
+            json!({
+                "source": {"path": src.path, "sha256": src.sha256, "tokens": src.tokens, "trace_tokens_written": src.trace_tokens_written},
+                "same_run": "different", "decode_trace": true, "in_sample_rows": Value::Null, "in_sample": Value::Null, "note": note,
+            }),
+            note,
+        ));
+    }
     let same_run = match reap {
         Some(r) => {
             let bytes = std::fs::read(r).map_err(|e| usage(format!("--reap {}: {e}", r.display())))?;
@@ -425,7 +488,10 @@ fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, 
         None if src.trace_tokens_written > 0 && src.trace_tokens_written == trace.n_rows => "assumed",
         None => "unknown",
     };
-    let overlap = rows.end.min(src.tokens).saturating_sub(rows.start);
+    let overlap = match visit {
+        Rows::Range(_) => rows.end.min(src.tokens).saturating_sub(rows.start),
+        Rows::List(l) => l.iter().filter(|&&i| i < src.tokens).count() as u64,
+    };
     let in_sample = match same_run {
         "different" => Value::Null,
         _ => json!(overlap > 0),
@@ -505,6 +571,13 @@ fn report(
         h.k,
         h.top_n
     );
+    let [n_pre, n_dec] = forced.phase_rows;
+    let _ = writeln!(
+        t,
+        "phase: {} ({n_pre} prefill rows, {n_dec} decode rows replayed{})",
+        args.phase.name(),
+        if args.phase == PhaseSel::All { "" } else { "; the cache sees only these" }
+    );
     let forced_total: u64 = forced.forced.iter().sum();
     let short_total: u64 = forced.tokens_short.iter().sum();
     if let Some((p, m)) = km {
@@ -558,6 +631,32 @@ fn report(
             b.unwrap_or_else(|| "-".into())
         );
     }
+    // per phase: the same simulation, each access counted under its row's phase
+    let phase_totals = |o: &Outcome, ph: usize| {
+        let hits: u64 = o.phases.hits[ph].iter().sum();
+        let misses: u64 = o.phases.misses[ph].iter().sum::<u64>() + forced.phase_forced[ph].iter().sum::<u64>();
+        (hits + misses, hits, misses)
+    };
+    if n_pre > 0 && n_dec > 0 {
+        let _ = writeln!(t, "\nper-phase miss rate (one simulation; each access counted under its row's phase)");
+        let _ = writeln!(
+            t,
+            "{:<20} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10} {:>10}",
+            "policy", "capacity", "prefill acc", "miss rate", "belady", "decode acc", "miss rate", "belady"
+        );
+        for o in &order {
+            let mut line = format!("{:<20} {:>10}", o.policy, caps[o.capacity].label);
+            for ph in 0..2 {
+                let (a, _, m) = phase_totals(o, ph);
+                let b = belady_of(o.capacity).map_or("-".to_string(), |b| {
+                    let (a, _, m) = phase_totals(b, ph);
+                    format!("{:.2}%", 100.0 * rate(m, a))
+                });
+                line += &format!(" {a:>14} {:>9.2}% {b:>10}", 100.0 * rate(m, a));
+            }
+            let _ = writeln!(t, "{line}");
+        }
+    }
     // per layer miss rates
     let _ = writeln!(t, "\nper-layer miss rate");
     let mut hdr = format!("{:>6}", "layer");
@@ -574,6 +673,14 @@ fn report(
         let _ = writeln!(t, "{line}");
     }
 
+    let phase_json = |o: &Outcome, ph: usize| {
+        let (a, hh, m) = phase_totals(o, ph);
+        json!({
+            "rows": forced.phase_rows[ph], "accesses": a, "hits": hh, "misses": m,
+            "forced_misses": forced.phase_forced[ph].iter().sum::<u64>(), "miss_rate": rate(m, a),
+            "belady_miss_rate": belady_of(o.capacity).map(|b| { let (a, _, m) = phase_totals(b, ph); rate(m, a) }),
+        })
+    };
     let result_json = |o: &Outcome| {
         let (a, hh, m) = totals(o);
         let layers: Vec<Value> = (0..nl)
@@ -591,6 +698,10 @@ fn report(
             "capacity_per_layer": c.per_layer,
             "total": {"accesses": a, "hits": hh, "misses": m, "forced_misses": forced_total, "miss_rate": rate(m, a)},
             "belady_miss_rate": belady_of(o.capacity).map(|b| { let (a, _, m) = totals(b); rate(m, a) }),
+            "phases": {
+                "prefill": phase_json(o, 0),
+                "decode": phase_json(o, 1),
+            },
             "layers": layers,
         })
     };
@@ -607,6 +718,8 @@ fn report(
             "top_n": h.top_n,
         },
         "tokens": [rows.start, rows.end],
+        "phase": args.phase.name(),
+        "rows_by_phase": {"prefill": n_pre, "decode": n_dec},
         "parameters": {
             "ema_decay": args.ema_decay,
             "near_pick_n": near_pick_n,

@@ -114,6 +114,7 @@ pub fn write(path: &Path, s: &Spec) -> Result<()> {
                 chunk: (t / 512) as u32,
                 pos: (t % 512) as u32,
                 token: (t % 1000) as i32,
+                phase: 0,
                 sel_weight: &sel_w,
                 cand_prob: &cand_p,
                 sel_id: &sel_id,

@@ -35,7 +35,7 @@ fn write_trace(name: &str, n_expert: u32, k: u32, top_n: u32, toks: &[Tok]) -> P
         assert_eq!(sel.len(), nl * k as usize);
         assert_eq!(cand.len(), nl * top_n as usize);
         layout.encode(
-            &RowData { chunk: 0, pos: t as u32, token: 0, sel_weight: &w, cand_prob: &prob, sel_id: &sel, cand_id: &cand },
+            &RowData { chunk: 0, pos: t as u32, token: 0, phase: 0, sel_weight: &w, cand_prob: &prob, sel_id: &sel, cand_id: &cand },
             &mut buf,
         );
     }

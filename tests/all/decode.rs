@@ -1,0 +1,249 @@
+//! `reap-imatrix trace-decode`: greedy parity with upstream's llama-simple, the trace's
+//! phases, `check` and `replay --phase` on decode traces, bad inputs.
+
+use super::util::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const PROMPTS: [&str; 3] = [
+    "The quick brown fox jumps over",
+    "Once upon a time, in a land far away, there lived",
+    "def fibonacci(n):\n    if n < 2:",
+];
+
+fn prompts_file(dir: &Path) -> PathBuf {
+    let p = dir.join("prompts.txt");
+    std::fs::write(&p, PROMPTS.join("\n---\n") + "\n").unwrap();
+    p
+}
+
+/// The JSON line trace-decode prints per prompt.
+fn generations(stdout: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn trace_decode(model: &Path, prompts: &Path, trace: &Path, extra: &[&str]) -> Vec<Value> {
+    let out = run_ok(Command::new(ours()).args(["trace-decode", "-m"]).arg(model).arg("-f").arg(prompts).arg("--trace-out").arg(trace).args(["-t", "1"]).args(extra));
+    generations(&out.stdout)
+}
+
+/// Greedy decode through the eval callback picks the tokens upstream's plain loop picks:
+/// llama-simple prints the prompt, then each generated token's text, then a newline.
+#[test]
+fn greedy_decode_generates_what_llama_simple_generates() {
+    let simple = reference_bin("llama-simple");
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-parity");
+    let gens = trace_decode(&model, &prompts_file(&dir), &dir.join("t.bin"), &["-n", "24"]);
+    assert_eq!(gens.len(), PROMPTS.len());
+    let mut distinct = std::collections::BTreeSet::new();
+    for (g, prompt) in gens.iter().zip(PROMPTS) {
+        let up = run_ok(Command::new(&simple).arg("-m").arg(&model).args(["-n", "24", prompt]));
+        let text = g["text"].as_str().unwrap();
+        let expected = format!("{prompt}{text}\n");
+        assert_eq!(String::from_utf8_lossy(&up.stdout), expected, "prompt {prompt:?}");
+        let n = g["generated"].as_array().unwrap().len();
+        assert!(n == 24 || g["stop"] == "eog", "{g}");
+        assert!(!text.is_empty());
+        distinct.insert(text.to_string());
+    }
+    // the prompts lead to different generations: the comparison sees the model's state
+    assert!(distinct.len() > 1, "{distinct:?}");
+}
+
+/// Rows: each prompt's tokens (prefill) then each fed generated token (decode), positions
+/// consecutive, the decode rows' tokens the generated ones in order.
+#[test]
+fn decode_trace_rows_carry_phases_and_the_generated_tokens() {
+    use reap_imatrix::formats::trace::{TraceReader, FLAG_DECODE, PHASE_DECODE, PHASE_PREFILL};
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-phases");
+    let t = dir.join("t.bin");
+    let gens = trace_decode(&model, &prompts_file(&dir), &t, &["-n", "10"]);
+    let r = TraceReader::open(&t).unwrap();
+    assert!(r.header.flags & FLAG_DECODE != 0);
+    let mut i = 0u64;
+    for (s, g) in gens.iter().enumerate() {
+        let np = g["prompt_tokens"].as_u64().unwrap();
+        let generated: Vec<i64> = g["generated"].as_array().unwrap().iter().map(|v| v.as_i64().unwrap()).collect();
+        // as llama-simple: the last generated token is not fed unless generation ended at EOG
+        let fed = generated.len() - (g["stop"] == "length") as usize;
+        for pos in 0..np + fed as u64 {
+            let row = r.row(i);
+            assert_eq!((row.chunk(), row.pos()), (s as u32, pos as u32), "row {i}");
+            if pos < np {
+                assert_eq!(row.phase(), PHASE_PREFILL, "row {i}");
+            } else {
+                assert_eq!(row.phase(), PHASE_DECODE, "row {i}");
+                assert_eq!(row.token() as i64, generated[(pos - np) as usize], "row {i}");
+            }
+            i += 1;
+        }
+    }
+    assert_eq!(i, r.n_rows);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_differs_from_greedy() {
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-seeded");
+    let p = prompts_file(&dir);
+    let texts = |extra: &[&str], name: &str| -> Vec<String> {
+        trace_decode(&model, &p, &dir.join(name), &[&["-n", "16"], extra].concat()).iter().map(|g| g["text"].as_str().unwrap().to_string()).collect()
+    };
+    let a = texts(&["--temp", "1.5", "--seed", "7"], "a.bin");
+    assert_eq!(a, texts(&["--temp", "1.5", "--seed", "7"], "b.bin"));
+    assert_ne!(a, texts(&[], "g.bin"));
+}
+
+/// check, select and replay on a decode trace: invariants hold and a broken row is caught;
+/// replay's per-phase counts add up, and a single phase replays exactly that phase's accesses.
+#[test]
+fn check_and_replay_work_on_decode_traces() {
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-check-replay");
+    let t = dir.join("t.bin");
+    let gens = trace_decode(&model, &prompts_file(&dir), &t, &["-n", "12"]);
+    let check = |trace: &Path, extra: &[&str]| run(Command::new(ours()).args(["check", "--trace"]).arg(trace).args(extra));
+    let ok = check(&t, &[]);
+    let text = String::from_utf8_lossy(&ok.stdout).to_string();
+    assert!(ok.status.success(), "{text}");
+    assert!(text.contains("[ok] sequences 0, 1"), "{text}");
+    let n_pre: u64 = gens.iter().map(|g| g["prompt_tokens"].as_u64().unwrap()).sum();
+    assert!(text.contains(&format!("trace phase prefill: {n_pre} rows")), "{text}");
+
+    // a decode row turned back into prefill breaks the sequence layout
+    let r = reap_imatrix::formats::trace::TraceReader::open(&t).unwrap();
+    let (hs, rs) = (r.header.header_size(), r.layout().size);
+    let first_decode = (0..r.n_rows).find(|&i| r.row(i).phase() == 1).unwrap();
+    let mut bytes = read(&t);
+    let at = hs + (first_decode as usize + 1) * rs + 12;
+    bytes[at..at + 4].copy_from_slice(&0u32.to_le_bytes());
+    let bad = dir.join("bad.bin");
+    std::fs::write(&bad, &bytes).unwrap();
+    let out = check(&bad, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("[FAIL] sequences 0, 1"));
+
+    // replay: per-phase counts add up to the totals; one phase alone replays its accesses
+    let replay = |phase: &str, json: &str| -> Value {
+        run_ok(Command::new(ours()).args(["replay", "--trace"]).arg(&t).args(["--policy", "lru,ema", "--capacity", "8,16", "--phase", phase, "--json"]).arg(dir.join(json)));
+        serde_json::from_slice(&read(&dir.join(json))).unwrap()
+    };
+    let all = replay("all", "all.json");
+    let (nl, k) = (all["trace"]["layers"].as_array().unwrap().len() as u64, all["trace"]["k"].as_u64().unwrap());
+    let n_dec = r.n_rows - n_pre;
+    assert_eq!((all["rows_by_phase"]["prefill"].as_u64(), all["rows_by_phase"]["decode"].as_u64()), (Some(n_pre), Some(n_dec)));
+    for res in all["results"].as_array().unwrap() {
+        let (tot, ph) = (&res["total"], &res["phases"]);
+        for key in ["accesses", "hits", "misses"] {
+            assert_eq!(ph["prefill"][key].as_u64().unwrap() + ph["decode"][key].as_u64().unwrap(), tot[key].as_u64().unwrap(), "{key} {res}");
+        }
+        assert_eq!(ph["prefill"]["accesses"].as_u64().unwrap(), n_pre * nl * k);
+        assert_eq!(ph["decode"]["accesses"].as_u64().unwrap(), n_dec * nl * k);
+    }
+    for (phase, n) in [("prefill", n_pre), ("decode", n_dec)] {
+        let one = replay(phase, &format!("{phase}.json"));
+        assert_eq!(one["phase"], phase);
+        for res in one["results"].as_array().unwrap() {
+            assert_eq!(res["total"]["accesses"].as_u64().unwrap(), n * nl * k, "{phase}");
+            assert_eq!(res["phases"][phase]["accesses"], res["total"]["accesses"]);
+        }
+    }
+}
+
+/// A calibration run's keep map replayed on a decode trace of other prompts: the replay says
+/// out-of-sample; check compares the trace with the calibration JSON on layout only.
+#[test]
+fn keep_map_on_a_decode_trace_is_out_of_sample() {
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-keep");
+    run_ok(Command::new(ours()).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "2", "-t", "2", "-o"]).arg(dir.join("im.gguf")));
+    run_ok(Command::new(ours()).args(["select", "--reap"]).arg(dir.join("im.reap.json")).args(["--method", "reap_l2_sum", "--k", "24", "--out-dir"]).arg(dir.join("keep")));
+    let t = dir.join("t.bin");
+    trace_decode(&model, &repo().join("corpus/prompts.txt"), &t, &["-n", "8"]);
+    let out = run_ok(Command::new(ours()).args(["check", "--reap"]).arg(dir.join("im.reap.json")).arg("--trace").arg(&t));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("decode trace (trace-decode)"));
+    let json = dir.join("r.json");
+    run_ok(Command::new(ours()).args(["replay", "--trace"]).arg(&t).args(["--policy", "lru", "--capacity", "8", "--keep-map"]).arg(dir.join("keep/keep_reap_l2_sum_k24.json")).arg("--json").arg(&json));
+    let v: Value = serde_json::from_slice(&read(&json)).unwrap();
+    assert_eq!(v["validity"]["same_run"], "different");
+    assert_eq!(v["validity"]["decode_trace"], true);
+}
+
+/// The bundled demo prompts are not in the calibration text, so the demo's replay is out of sample.
+#[test]
+fn bundled_prompts_are_not_in_the_calibration_text() {
+    let cal = String::from_utf8(read(&corpus())).unwrap();
+    let prompts = String::from_utf8(read(&repo().join("corpus/prompts.txt"))).unwrap();
+    // ChatML tag lines are shared markup, not content
+    let lines: Vec<&str> = prompts.lines().map(str::trim).filter(|l| l.len() > 20 && !l.starts_with("<|")).collect();
+    assert!(lines.len() >= 8);
+    for l in lines {
+        assert!(!cal.contains(l), "corpus/prompts.txt line is in calibration.txt: {l}");
+    }
+}
+
+/// A version-1 trace (the calibration writer before phases) still reads: every row prefill,
+/// replay gives the same numbers as the same rows in version 2.
+#[test]
+fn a_version_1_trace_still_replays_and_checks() {
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-v1");
+    let v2 = dir.join("v2.bin");
+    run_ok(Command::new(ours()).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "2", "-t", "2", "-o"]).arg(dir.join("im.gguf")).arg("--trace-out").arg(&v2));
+    let mut bytes = read(&v2);
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2);
+    bytes[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let v1 = dir.join("v1.bin");
+    std::fs::write(&v1, &bytes).unwrap();
+    let replay = |t: &Path| -> Value {
+        let j = t.with_extension("json");
+        run_ok(Command::new(ours()).args(["replay", "--trace"]).arg(t).args(["--policy", "lru,lfu", "--capacity", "8", "--json"]).arg(&j));
+        let mut v: Value = serde_json::from_slice(&read(&j)).unwrap();
+        v["trace"]["path"] = Value::Null;
+        v
+    };
+    let (a, b) = (replay(&v1), replay(&v2));
+    assert_eq!(a, b);
+    assert_eq!(a["rows_by_phase"]["decode"], 0);
+    run_ok(Command::new(ours()).args(["check", "--reap"]).arg(dir.join("im.reap.json")).arg("--trace").arg(&v1));
+}
+
+/// A JSONL chat prompt is rendered with the model's template (the fixture carries the qwen2
+/// vocab's ChatML template): it generates what the ChatML text written out by hand generates.
+#[test]
+fn chat_prompts_are_rendered_with_the_models_template() {
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-chat");
+    let chat = dir.join("p.jsonl");
+    std::fs::write(&chat, "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": \"user\", \"content\": \"Name a colour.\"}]}\n").unwrap();
+    let plain = dir.join("text.jsonl");
+    let text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n";
+    std::fs::write(&plain, serde_json::json!({ "text": text }).to_string() + "\n").unwrap();
+    let a = trace_decode(&model, &chat, &dir.join("a.bin"), &["-n", "8"]);
+    let b = trace_decode(&model, &plain, &dir.join("b.bin"), &["-n", "8"]);
+    assert_eq!((&a[0]["prompt_tokens"], &a[0]["generated"]), (&b[0]["prompt_tokens"], &b[0]["generated"]));
+    assert_eq!(read(&dir.join("a.bin")), read(&dir.join("b.bin")));
+}
+
+#[test]
+fn bad_inputs_are_refused_by_name() {
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-bad");
+    let fails = |prompts: &Path, extra: &[&str], want: &str| {
+        let out = run(Command::new(ours()).args(["trace-decode", "-m"]).arg(&model).arg("-f").arg(prompts).arg("--trace-out").arg(dir.join("t.bin")).args(extra));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "expected {want:?} in: {err}");
+    };
+    fails(&dir.join("missing.txt"), &[], "missing.txt");
+    let bad = dir.join("p.jsonl");
+    std::fs::write(&bad, "{\"text\": \"fine\"}\n{\"text\": oops}\n").unwrap();
+    fails(&bad, &[], "p.jsonl:2: not a JSON object");
+    std::fs::write(&bad, "{\"text\": \"fine\"}\n\n{\"messages\": [{\"role\": \"user\"}]}\n").unwrap();
+    fails(&bad, &[], "p.jsonl:3: message 0 needs \"role\" and \"content\"");
+    fails(&prompts_file(&dir), &["-c", "8", "-n", "16"], "need a context of");
+    assert!(!dir.join("t.bin").exists(), "nothing is written for refused input");
+}
