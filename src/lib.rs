@@ -9,6 +9,7 @@ pub mod calibrate;
 pub mod cli;
 pub mod collect;
 pub mod error;
+pub mod eval;
 pub mod fixture;
 pub mod formats;
 pub mod llama;

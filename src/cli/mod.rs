@@ -62,6 +62,8 @@ enum Command {
     Replay(crate::analyze::replay::ReplayArgs),
     /// Re-run a recorded run (its manifest) and report whether every output is byte-identical.
     Reproduce(crate::analyze::reproduce::ReproduceArgs),
+    /// KL divergence, top-1 agreement and PPL of models against a base (as llama-perplexity --kl-divergence).
+    Eval(crate::eval::EvalArgs),
 }
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
@@ -69,6 +71,8 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
     if !subcommands().iter().any(|(n, _)| n == first) {
         return drop_in(argv);
     }
+    // eval takes llama.cpp's single-dash spellings (-ngl, -ub, -fa, -lm) like the drop-in mode
+    let argv = if argv.get(1).is_some_and(|a| a == "eval") { argv::normalize(argv).0 } else { argv };
     let cli = match Tools::try_parse_from(&argv) {
         Ok(c) => c,
         Err(e) => {
@@ -83,6 +87,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Select(args) => crate::analyze::select::run(&args),
         Command::Replay(args) => crate::analyze::replay::run(&args),
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
+        Command::Eval(args) => crate::eval::run(&args),
     }
 }
 

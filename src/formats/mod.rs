@@ -1,6 +1,7 @@
 //! File formats, one module each. Writers never touch a tensor; readers never touch the graph.
 
 pub mod atomic;
+pub mod base_logits;
 pub mod imatrix;
 pub mod imatrix_stats;
 pub mod manifest;

@@ -32,6 +32,15 @@ unsafe impl Sync for Model {}
 
 impl Model {
     pub fn load(path: &Path, params: &ModelParams) -> Result<Model> {
+        Self::load_with(path, params, false)
+    }
+
+    /// Loads only the vocabulary (no weights): for tokenizing with a model's tokenizer.
+    pub fn load_vocab(path: &Path) -> Result<Model> {
+        Self::load_with(path, &ModelParams::default(), true)
+    }
+
+    fn load_with(path: &Path, params: &ModelParams, vocab_only: bool) -> Result<Model> {
         init_backend();
         let meta = std::fs::metadata(path).with_context(|| format!("model file {}", path.display()))?;
         if !meta.is_file() {
@@ -46,6 +55,7 @@ impl Model {
         let mut mp = unsafe { sys::llama_model_default_params() };
         mp.n_gpu_layers = params.n_gpu_layers;
         mp.load_mode = params.load_mode;
+        mp.vocab_only = vocab_only;
         log::take_recent_errors();
         // SAFETY: valid C string and params; null is checked.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
