@@ -2,6 +2,7 @@
 
 mod build_steps;
 mod drop_in;
+mod eval;
 mod fixture;
 mod manifest;
 mod replay;
