@@ -300,7 +300,8 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         print!("{}", summary.upstream_text());
         outcomes.push(Outcome { candidate: c.clone(), summary, seconds: t.elapsed().as_secs_f64() });
         if let Some(j) = &args.json {
-            let base = json!({"path": base_file, "reused": reused});
+            // the path only when it outlives the run (--base-logits)
+            let base = json!({"path": args.base_logits, "reused": reused});
             atomic::write_json(j, &report::to_json(&args.base, &outcomes, base, forward_passes), "eval results")?;
         }
     }
