@@ -326,11 +326,25 @@ fn compute_base(base: &Path, setup: &Setup, header: &Header, file: &Path) -> Res
         let f = std::fs::File::create(tmp).with_context(|| format!("creating {}", tmp.display()))?;
         let mut w = base_logits::Writer::new(f, header)?;
         let mut rows = vec![0u16; base_logits::scored_per_chunk(header.n_ctx as usize) * row];
+        let threads = setup.ctx_params.n_threads as usize;
         forward::run_chunks(&mut ctx, setup.layout, &header.tokens, |chunk, logits, targets| {
-            for (i, &t) in targets.iter().enumerate() {
-                let v = base_logits::encode_row(&logits[i * n_vocab..(i + 1) * n_vocab], t as usize, &mut rows[i * row..(i + 1) * row]);
-                nll.add_value(v as f64);
-            }
+            // rows are independent: encode them on every thread, in contiguous ranges
+            let per = targets.len().div_ceil(threads.max(1));
+            let nlls: Vec<f32> = std::thread::scope(|s| {
+                let jobs: Vec<_> = rows
+                    .chunks_mut(per * row)
+                    .zip(targets.chunks(per))
+                    .zip(logits.chunks(per * n_vocab))
+                    .map(|((out, tg), lg)| {
+                        s.spawn(move || {
+                            let rows = out.chunks_mut(row).zip(tg).zip(lg.chunks(n_vocab));
+                            rows.map(|((o, &t), l)| base_logits::encode_row(l, t as usize, o)).collect::<Vec<f32>>()
+                        })
+                    })
+                    .collect();
+                jobs.into_iter().flat_map(|j| j.join().expect("encoding thread panicked")).collect()
+            });
+            nlls.iter().for_each(|&v| nll.add_value(v as f64));
             w.write_rows(&rows).with_context(|| format!("writing {}", tmp.display()))?;
             progress("base", chunk + 1, header.n_chunk as usize);
             Ok(())
@@ -356,11 +370,26 @@ fn compare(path: &Path, setup: &Setup, base_file: &Path) -> Result<stats::Summar
     let row = base_logits::row_len(n_vocab);
     let mut acc = stats::Accumulator::default();
     let mut rows = Vec::new();
+    let threads = setup.ctx_params.n_threads as usize;
     forward::run_chunks(&mut ctx, setup.layout, &header.tokens, |chunk, logits, targets| {
         reader.next_chunk(&mut rows)?;
-        for (i, &t) in targets.iter().enumerate() {
-            acc.add(&logits[i * n_vocab..(i + 1) * n_vocab], &rows[i * row..(i + 1) * row], t as usize);
-        }
+        // tokens are scored on every thread, then added in token order (reproducible sums)
+        let per = targets.len().div_ceil(threads.max(1));
+        let terms: Vec<stats::Terms> = std::thread::scope(|s| {
+            let jobs: Vec<_> = rows
+                .chunks(per * row)
+                .zip(targets.chunks(per))
+                .zip(logits.chunks(per * n_vocab))
+                .map(|((base, tg), lg)| {
+                    s.spawn(move || {
+                        let toks = base.chunks(row).zip(tg).zip(lg.chunks(n_vocab));
+                        toks.map(|((b, &t), l)| stats::token_terms(l, b, t as usize)).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            jobs.into_iter().flat_map(|j| j.join().expect("scoring thread panicked")).collect()
+        });
+        terms.iter().for_each(|t| acc.add_terms(t));
         progress(&path.file_name().unwrap_or_default().to_string_lossy(), chunk + 1, header.n_chunk as usize);
         Ok(())
     })

@@ -61,9 +61,15 @@ impl Accumulator {
     /// Scores one token: `logits` the model's row (n_vocab), `base_row` the base's encoded row,
     /// `tok` the token that follows.
     pub fn add(&mut self, logits: &[f32], base_row: &[u16], tok: usize) {
-        let (kld, p_diff) = score_token(logits, base_row, tok, &mut self.sums);
-        self.kld_values.push(kld as f32);
-        self.p_diff_values.push(p_diff);
+        self.add_terms(&token_terms(logits, base_row, tok));
+    }
+
+    /// Adds one token's terms (computed elsewhere, e.g. on another thread); tokens must be
+    /// added in order for the sums to be reproducible.
+    pub fn add_terms(&mut self, t: &Terms) {
+        self.sums.add(t);
+        self.kld_values.push(t.kld as f32);
+        self.p_diff_values.push(t.p_diff);
     }
 
     /// The summary, or None below 100 scored tokens (upstream prints no statistics then).
@@ -72,9 +78,39 @@ impl Accumulator {
     }
 }
 
+/// What one scored token contributes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Terms {
+    pub nll: f32,
+    pub nll_base: f32,
+    pub kld: f64,
+    pub p_diff: f32,
+    pub same_top: bool,
+}
+
+impl Sums {
+    /// Adds one token as upstream's `log_softmax(…, kld)` does, squares formed in f32 where it
+    /// forms them in f32.
+    pub fn add(&mut self, t: &Terms) {
+        self.sum_nll += t.nll as f64;
+        self.sum_nll2 += (t.nll * t.nll) as f64;
+        self.sum_nll_base += t.nll_base as f64;
+        self.sum_nll_base2 += (t.nll_base * t.nll_base) as f64;
+        self.sum_nll_nll_base += (t.nll * t.nll_base) as f64;
+        self.sum_kld += t.kld;
+        self.sum_kld2 += t.kld * t.kld;
+        self.count += 1;
+        self.n_same_top += t.same_top as u64;
+        self.sum_p_diff += t.p_diff as f64;
+        let p_diff2 = (t.p_diff * t.p_diff) as f64;
+        self.sum_p_diff2 += p_diff2;
+        self.sum_p_diff4 += p_diff2 * p_diff2;
+        self.max_p_diff = self.max_p_diff.max(t.p_diff.abs());
+    }
+}
+
 /// One token, as upstream's `log_softmax(n_vocab, logits, base_log_prob, tok, kld)`.
-/// Returns (KLD, Δp).
-pub fn score_token(logits: &[f32], base_row: &[u16], tok: usize, s: &mut Sums) -> (f64, f32) {
+pub fn token_terms(logits: &[f32], base_row: &[u16], tok: usize) -> Terms {
     let mut max_logit = logits[0];
     let mut imax = 0;
     for (i, &l) in logits.iter().enumerate().skip(1) {
@@ -90,40 +126,20 @@ pub fn score_token(logits: &[f32], base_row: &[u16], tok: usize, s: &mut Sums) -
     let log_sum_exp = sum_exp.ln() as f32;
     let (scale, min_log_prob) = crate::formats::base_logits::row_scale(base_row);
     let q = &base_row[4..4 + logits.len()];
-
     let nll = max_logit + log_sum_exp - logits[tok];
-    s.sum_nll += nll as f64;
-    s.sum_nll2 += (nll * nll) as f64;
     let nll_base = -(scale * q[tok] as f32 + min_log_prob);
-    s.sum_nll_base += nll_base as f64;
-    s.sum_nll_base2 += (nll_base * nll_base) as f64;
-    s.sum_nll_nll_base += (nll * nll_base) as f64;
-
     let log_norm = max_logit + log_sum_exp;
-    let mut sum = 0.0f64;
+    let mut kld = 0.0f64;
     for (&qi, &l) in q.iter().zip(logits) {
         let p_log_base = scale * qi as f32 + min_log_prob;
         if p_log_base > -16.0 {
             let p_base = p_log_base.exp();
-            sum += (p_base * (p_log_base - l + log_norm)) as f64;
+            kld += (p_base * (p_log_base - l + log_norm)) as f64;
         }
     }
     let imax_base = first_argmax(q.iter().map(|&qi| scale * qi as f32 + min_log_prob));
-    s.sum_kld += sum;
-    s.sum_kld2 += sum * sum;
-    s.count += 1;
-    if imax == imax_base {
-        s.n_same_top += 1;
-    }
-    let p_base = (-nll_base).exp();
-    let p = (-nll).exp();
-    let p_diff = p - p_base;
-    s.sum_p_diff += p_diff as f64;
-    let p_diff2 = (p_diff * p_diff) as f64;
-    s.sum_p_diff2 += p_diff2;
-    s.sum_p_diff4 += p_diff2 * p_diff2;
-    s.max_p_diff = s.max_p_diff.max(p_diff.abs());
-    (sum, p_diff)
+    let p_diff = (-nll).exp() - (-nll_base).exp();
+    Terms { nll, nll_base, kld, p_diff, same_top: imax == imax_base }
 }
 
 /// Upstream's `mean_and_uncertainty`.
@@ -319,6 +335,12 @@ impl Summary {
 mod tests {
     use super::*;
     use crate::formats::base_logits::{encode_row, row_len};
+
+    fn score_token(logits: &[f32], base: &[u16], tok: usize, s: &mut Sums) -> (f64, f32) {
+        let t = token_terms(logits, base, tok);
+        s.add(&t);
+        (t.kld, t.p_diff)
+    }
 
     /// A base row built directly: scale and minimum in the head, then q.
     fn row(scale: f32, min: f32, q: &[u16]) -> Vec<u16> {
