@@ -328,21 +328,9 @@ fn compute_base(base: &Path, setup: &Setup, header: &Header, file: &Path) -> Res
         let mut rows = vec![0u16; base_logits::scored_per_chunk(header.n_ctx as usize) * row];
         let threads = setup.ctx_params.n_threads as usize;
         forward::run_chunks(&mut ctx, setup.layout, &header.tokens, |chunk, logits, targets| {
-            // rows are independent: encode them on every thread, in contiguous ranges
-            let per = targets.len().div_ceil(threads.max(1));
-            let nlls: Vec<f32> = std::thread::scope(|s| {
-                let jobs: Vec<_> = rows
-                    .chunks_mut(per * row)
-                    .zip(targets.chunks(per))
-                    .zip(logits.chunks(per * n_vocab))
-                    .map(|((out, tg), lg)| {
-                        s.spawn(move || {
-                            let rows = out.chunks_mut(row).zip(tg).zip(lg.chunks(n_vocab));
-                            rows.map(|((o, &t), l)| base_logits::encode_row(l, t as usize, o)).collect::<Vec<f32>>()
-                        })
-                    })
-                    .collect();
-                jobs.into_iter().flat_map(|j| j.join().expect("encoding thread panicked")).collect()
+            // rows are independent: encoded on every thread
+            let nlls = each_row(&mut rows, row, threads, |i, r| {
+                base_logits::encode_row(&logits[i * n_vocab..(i + 1) * n_vocab], targets[i] as usize, r)
             });
             nlls.iter().for_each(|&v| nll.add_value(v as f64));
             w.write_rows(&rows).with_context(|| format!("writing {}", tmp.display()))?;
@@ -374,27 +362,28 @@ fn compare(path: &Path, setup: &Setup, base_file: &Path) -> Result<stats::Summar
     forward::run_chunks(&mut ctx, setup.layout, &header.tokens, |chunk, logits, targets| {
         reader.next_chunk(&mut rows)?;
         // tokens are scored on every thread, then added in token order (reproducible sums)
-        let per = targets.len().div_ceil(threads.max(1));
-        let terms: Vec<stats::Terms> = std::thread::scope(|s| {
-            let jobs: Vec<_> = rows
-                .chunks(per * row)
-                .zip(targets.chunks(per))
-                .zip(logits.chunks(per * n_vocab))
-                .map(|((base, tg), lg)| {
-                    s.spawn(move || {
-                        let toks = base.chunks(row).zip(tg).zip(lg.chunks(n_vocab));
-                        toks.map(|((b, &t), l)| stats::token_terms(l, b, t as usize)).collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            jobs.into_iter().flat_map(|j| j.join().expect("scoring thread panicked")).collect()
-        });
+        let terms = each_row(&mut rows, row, threads, |i, r| stats::token_terms(&logits[i * n_vocab..(i + 1) * n_vocab], r, targets[i] as usize));
         terms.iter().for_each(|t| acc.add_terms(t));
         progress(&path.file_name().unwrap_or_default().to_string_lossy(), chunk + 1, header.n_chunk as usize);
         Ok(())
     })
     .with_context(|| format!("model {}", path.display()))?;
     acc.summary().ok_or_else(|| anyhow!("fewer than 100 scored tokens"))
+}
+
+/// `f(i, row i)` for every row of `rows` (`row` slots each), on up to `threads` threads over
+/// contiguous ranges; the results in row order.
+fn each_row<T: Send>(rows: &mut [u16], row: usize, threads: usize, f: impl Fn(usize, &mut [u16]) -> T + Sync) -> Vec<T> {
+    let per = (rows.len() / row).div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|s| {
+        let f = &f;
+        let jobs: Vec<_> = rows
+            .chunks_mut(per * row)
+            .enumerate()
+            .map(|(k, part)| s.spawn(move || part.chunks_mut(row).enumerate().map(|(i, r)| f(k * per + i, r)).collect::<Vec<T>>()))
+            .collect();
+        jobs.into_iter().flat_map(|j| j.join().expect("a scoring thread panicked")).collect()
+    })
 }
 
 fn progress(what: &str, done: usize, total: usize) {
