@@ -291,6 +291,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
                 (out.clone(), Some(out))
             }
         };
+        eprintln!("\nmodel {}/{}: {}", i + 1, candidates.len(), path.display());
         let summary = compare(&path, &setup, &base_file)?;
         forward_passes += 1;
         if let Some(p) = pruned {
@@ -334,7 +335,8 @@ fn compute_base(base: &Path, setup: &Setup, header: &Header, file: &Path) -> Res
             });
             nlls.iter().for_each(|&v| nll.add_value(v as f64));
             w.write_rows(&rows).with_context(|| format!("writing {}", tmp.display()))?;
-            progress("base", chunk + 1, header.n_chunk as usize);
+            // upstream's running perplexity, [chunk]PPL,
+            eprint!("[{}]{:.4},{}", chunk + 1, nll.ppl(), if chunk + 1 == header.n_chunk as usize { "\n" } else { "" });
             Ok(())
         })?;
         sha = w.finish().with_context(|| format!("writing {}", tmp.display()))?;
@@ -364,7 +366,10 @@ fn compare(path: &Path, setup: &Setup, base_file: &Path) -> Result<stats::Summar
         // tokens are scored on every thread, then added in token order (reproducible sums)
         let terms = each_row(&mut rows, row, threads, |i, r| stats::token_terms(&logits[i * n_vocab..(i + 1) * n_vocab], r, targets[i] as usize));
         terms.iter().for_each(|t| acc.add_terms(t));
-        progress(&path.file_name().unwrap_or_default().to_string_lossy(), chunk + 1, header.n_chunk as usize);
+        if chunk == 0 {
+            eprintln!("{}", stats::CHUNK_HEADER);
+        }
+        eprintln!("{}", acc.sums.chunk_line(chunk + 1));
         Ok(())
     })
     .with_context(|| format!("model {}", path.display()))?;
@@ -384,14 +389,4 @@ fn each_row<T: Send>(rows: &mut [u16], row: usize, threads: usize, f: impl Fn(us
             .collect();
         jobs.into_iter().flat_map(|j| j.join().expect("a scoring thread panicked")).collect()
     })
-}
-
-fn progress(what: &str, done: usize, total: usize) {
-    use std::io::IsTerminal;
-    if std::io::stderr().is_terminal() {
-        eprint!("\r{what}: chunk {done}/{total}   ");
-        if done == total {
-            eprintln!();
-        }
-    }
 }

@@ -142,6 +142,39 @@ pub fn token_terms(logits: &[f32], base_row: &[u16], tok: usize) -> Terms {
     Terms { nll, nll_base, kld, p_diff, same_top: imax == imax_base }
 }
 
+impl Sums {
+    /// Upstream's per-chunk progress line (running figures after `chunk`, 1-based).
+    pub fn chunk_line(&self, chunk: usize) -> String {
+        let log_ppl = mean_and_uncertainty(self.sum_nll, self.sum_nll2, self.count);
+        let ppl = log_ppl.0.exp();
+        let log_base = mean_and_uncertainty(self.sum_nll_base, self.sum_nll_base2, self.count);
+        let cov = covariance(self.sum_nll, self.sum_nll_base, self.sum_nll_nll_base, self.count);
+        let ratio_unc = (log_ppl.1 * log_ppl.1 + log_base.1 * log_base.1 - 2.0 * cov).sqrt();
+        let kld = mean_and_uncertainty(self.sum_kld, self.sum_kld2, self.count);
+        let mse = mean_and_uncertainty(self.sum_p_diff2, self.sum_p_diff4, self.count);
+        let rms = mse.0.sqrt();
+        let top = self.n_same_top as f64 / self.count as f64;
+        let top_unc = (top * (1.0 - top) / (self.count as f64 - 1.0)).sqrt();
+        format!(
+            "{chunk:4}    {:9.4} ± {:9.4}    {:10.5} ± {:10.5}    {:10.5} ± {:10.5}    {:6.3} ± {:6.3} %    {:6.3} ± {:6.3} %",
+            ppl,
+            ppl * log_ppl.1,
+            log_ppl.0 - log_base.0,
+            ratio_unc,
+            kld.0,
+            kld.1,
+            100.0 * rms,
+            100.0 * 0.5 / rms * mse.1,
+            100.0 * top,
+            100.0 * top_unc
+        )
+    }
+}
+
+/// The header of the per-chunk lines, as upstream prints it.
+pub const CHUNK_HEADER: &str =
+    "chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p";
+
 /// Upstream's `mean_and_uncertainty`.
 pub fn mean_and_uncertainty(sum: f64, sum2: f64, count: u64) -> (f64, f64) {
     if count < 1 {

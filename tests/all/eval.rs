@@ -151,6 +151,11 @@ fn eval_matches_llama_perplexity_kl_divergence_and_base_files_are_interchangeabl
     assert_eq!(v["forward_passes"], 2);
     assert_matches_upstream(m, &up);
     assert_same_labels(&String::from_utf8_lossy(&out.stdout), &up);
+    // the running per-chunk lines (stderr) as upstream prints them
+    let chunk_lines = |t: &str| t.lines().skip_while(|l| !l.starts_with("chunk ")).take(5).map(str::to_string).collect::<Vec<_>>();
+    let ours_chunks = chunk_lines(&String::from_utf8_lossy(&out.stderr));
+    assert_eq!(ours_chunks.len(), 5);
+    assert_eq!(ours_chunks, chunk_lines(&up));
     // the same forward pass and the same encoding: the files are identical
     assert_same_bytes(&ours_file, &up_file);
     // upstream's second pass reads our file
