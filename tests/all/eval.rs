@@ -204,7 +204,7 @@ fn base_logits_cache_is_reused_and_a_mismatch_is_refused() {
     assert_eq!(v["forward_passes"], 2);
     assert!(own.is_file() && d.join("s1.kld.meta.json").is_file());
     let before = read(&own);
-    let out = run(&mut eval_cmd(&d, &s2, &["--base-logits", own.to_str().unwrap()]).args(["--model"]).arg(&s1));
+    let out = run(eval_cmd(&d, &s2, &["--base-logits", own.to_str().unwrap()]).args(["--model"]).arg(&s1));
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("another base model") && err.contains("s1.kld"), "{err}");
@@ -244,17 +244,17 @@ fn eval_refuses_bad_input_before_running() {
     let d = temp_dir("eval-bad");
     let s1 = seeded("qwen3moe", 1);
     let missing = d.join("missing.gguf");
-    let out = run(&mut eval_cmd(&d, &s1, &[]).arg("--model").arg(&missing));
+    let out = run(eval_cmd(&d, &s1, &[]).arg("--model").arg(&missing));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("missing.gguf: no such file"));
     // too few scored tokens for the statistics
-    let out = run(&mut eval_cmd(&d, &s1, &["--chunks", "1"]).arg("--model").arg(&s1));
+    let out = run(eval_cmd(&d, &s1, &["--chunks", "1"]).arg("--model").arg(&s1));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 100"));
     // a base-logits file that is not one
     let junk = d.join("junk.kld");
     std::fs::write(&junk, b"hello").unwrap();
-    let out = run(&mut eval_cmd(&d, &s1, &["--base-logits", junk.to_str().unwrap()]).arg("--model").arg(&s1));
+    let out = run(eval_cmd(&d, &s1, &["--base-logits", junk.to_str().unwrap()]).arg("--model").arg(&s1));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("junk.kld"));
     assert_eq!(read(&junk), b"hello");
