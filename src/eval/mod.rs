@@ -195,6 +195,9 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         bail!(usage("-b and -ub must be positive".into()));
     }
     check_files(args, &candidates)?;
+    if !args.keep_maps.is_empty() {
+        prune::check_available()?;
+    }
     let (threads, threads_batch) = thread_counts(args.threads, None);
     let model_params = model_params_of(&args.n_gpu_layers, &args.load_mode, None)?;
     let flash_attn = flash_attn_type(&args.flash_attn)?;

@@ -32,3 +32,14 @@ pub fn prune_into(scratch: &Path, base: &Path, map: &Path, index: usize) -> Resu
         _ => bail!("--keep-map {}: `reap-imatrix prune` failed ({status})", map.display()),
     }
 }
+
+/// Fails early (before the base pass) when this build has no `prune` subcommand.
+pub fn check_available() -> Result<()> {
+    let exe = std::env::current_exe().context("locating this program to run `prune`")?;
+    let out = Command::new(&exe).args(["prune", "--help"]).output().with_context(|| format!("running {} prune --help", exe.display()))?;
+    let help = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || !help.contains("--keep-map") {
+        bail!(UsageError(format!("--keep-map needs the `prune` subcommand, which {} does not have", exe.display())));
+    }
+    Ok(())
+}
