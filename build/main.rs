@@ -37,6 +37,8 @@ fn run() -> Result<(), String> {
     println!("cargo:rustc-env=REAP_LLAMA_COMMIT={}", cfg.pin.commit);
     println!("cargo:rustc-env=REAP_LLAMA_SHA256={}", cfg.pin.sha256);
     println!("cargo:rustc-env=REAP_PATCHES_SHA256={}", libs.patches_digest);
+    // the unpatched tree the build used: the fixture generator takes its vocab files from there
+    println!("cargo:rustc-env=REAP_LLAMA_TREE={}", pristine.display());
     Ok(())
 }
 

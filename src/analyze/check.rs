@@ -4,7 +4,7 @@
 
 use crate::error::UsageError;
 use crate::formats::imatrix as imatrix_file;
-use crate::formats::saliency::{LayerSums, Saliency};
+use crate::formats::saliency::{AppliedGate, LayerSums, ReferenceSums, Saliency};
 use crate::formats::trace::{TraceReader, FLAG_NORMALISED};
 use anyhow::Result;
 use std::path::PathBuf;
@@ -52,8 +52,31 @@ fn close(a: f64, b: f64, rel: f64) -> bool {
     (a - b).abs() <= rel * a.abs().max(b.abs()).max(1.0)
 }
 
+/// What the file's metadata says about the gate weights, as far as the invariants need it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Gating {
+    /// the applied gates are the top-k-normalised router probabilities (and nothing else)
+    pub normalised: Option<bool>,
+    /// the router probabilities p are a softmax over all experts
+    pub softmax: bool,
+    /// the applied gate is p itself (`ffn_moe_weights-N`: neither normalised nor scaled)
+    pub gate_is_p: bool,
+}
+
+impl Gating {
+    /// From the saliency JSON's `metadata.routing`. Files without `probs_op` are taken as
+    /// softmax-gated under normalised gating (what the normalisation presupposes).
+    pub fn from_metadata(s: &Saliency) -> Gating {
+        let routing = s.routing();
+        let normalised = routing.normalised;
+        let softmax = routing.softmax().unwrap_or(normalised == Some(true));
+        let gate_is_p = softmax && routing.applied_gate() == Some(AppliedGate::Probability);
+        Gating { normalised, softmax, gate_is_p }
+    }
+}
+
 /// The invariants of one JSON, on its own.
-pub fn check_saliency(s: &Saliency, normalised: Option<bool>, top: usize, rep: &mut Report) {
+pub fn check_saliency(s: &Saliency, gating: Gating, top: usize, rep: &mut Report) {
     rep.check(!s.layers.is_empty(), format!("{} MoE layers present", s.layers.len()));
     let drops_total: u64 = s.layers.iter().map(|l| s.tokens.saturating_sub(l.tokens)).sum();
     rep.check(
@@ -61,11 +84,15 @@ pub fn check_saliency(s: &Saliency, normalised: Option<bool>, top: usize, rep: &
         format!("nonfinite_drops = {} equals Σ over layers of (tokens − layer tokens) = {drops_total}", s.nonfinite_drops),
     );
     for l in &s.layers {
-        check_layer(l, s.tokens, normalised, top, rep);
+        check_layer(l, s.tokens, gating, top, rep);
+    }
+    if s.layers.iter().any(|l| l.reference.is_none()) {
+        rep.notes.push("no reap_softmax_l2_sum / max_activation (a file from before they were collected): their invariants not checked".into());
     }
 }
 
-fn check_layer(l: &LayerSums, tokens: u64, normalised: Option<bool>, top: usize, rep: &mut Report) {
+fn check_layer(l: &LayerSums, tokens: u64, gating: Gating, top: usize, rep: &mut Report) {
+    let normalised = gating.normalised;
     let id = format!("layer {}", l.layer);
     let sum_count: u64 = l.count.iter().sum();
     rep.check(l.tokens <= tokens, format!("{id}: layer tokens {} ≤ tokens {tokens}", l.tokens));
@@ -77,14 +104,7 @@ fn check_layer(l: &LayerSums, tokens: u64, normalised: Option<bool>, top: usize,
         let sp: f64 = l.prob_sum.iter().sum();
         rep.check(close(sp, l.tokens as f64, 1e-5), format!("{id}: Σprob_sum = {sp:.6} = tokens {} (normalised gating)", l.tokens));
     }
-    let arrays = [
-        ("prob_sum", &l.prob_sum),
-        ("reap_l2_sum", &l.reap_l2_sum),
-        ("reap_l2_sq_sum", &l.reap_l2_sq_sum),
-        ("ean_sum", &l.ean_sum),
-        ("router_prob_sum", &l.router_prob_sum),
-        ("max_l2", &l.max_l2),
-    ];
+    let arrays = l.float_arrays();
     let nonfinite: Vec<&str> = arrays.iter().filter(|(_, v)| v.iter().any(|x| !x.is_finite())).map(|(n, _)| *n).collect();
     rep.check(nonfinite.is_empty(), format!("{id}: all values finite{}", if nonfinite.is_empty() { String::new() } else { format!(" (not: {})", nonfinite.join(", ")) }));
     let negative: Vec<&str> = arrays.iter().filter(|(_, v)| v.iter().any(|x| *x < 0.0)).map(|(n, _)| *n).collect();
@@ -96,6 +116,9 @@ fn check_layer(l: &LayerSums, tokens: u64, normalised: Option<bool>, top: usize,
         .filter(|&e| l.count[e] > 0 && l.reap_l2_sq_sum[e] < l.reap_l2_sum[e].powi(2) / l.count[e] as f64 * (1.0 - 1e-12))
         .collect();
     rep.check(cs.is_empty(), format!("{id}: reap_l2_sq_sum ≥ reap_l2_sum²/count{}", list_if_any(&cs)));
+    if let Some(r) = &l.reference {
+        check_reference(l, r, gating, &id, rep);
+    }
     let dead: Vec<usize> = (0..l.n_expert).filter(|&e| l.count[e] == 0).collect();
     let mut order: Vec<usize> = (0..l.n_expert).collect();
     order.sort_by(|&a, &b| l.count[b].cmp(&l.count[a]).then(a.cmp(&b)));
@@ -105,6 +128,59 @@ fn check_layer(l: &LayerSums, tokens: u64, normalised: Option<bool>, top: usize,
         .map(|&e| format!("{e} ({:.1}%)", 100.0 * l.count[e] as f64 / sum_count.max(1) as f64))
         .collect();
     rep.notes.push(format!("{id}: {} dead experts {:?}; heaviest slot shares: {}", dead.len(), dead, heavy.join(", ")));
+}
+
+/// The REAP reference's statistics (p = router probability, CONTRACT §6) against each other and
+/// against the applied-gate sums. Inequalities get a relative slack of 1e-6 for f32 rounding of
+/// p and g; the equalities are exact (the same f32 values summed in the same order).
+fn check_reference(l: &LayerSums, r: &ReferenceSums, gating: Gating, id: &str, rep: &mut Report) {
+    let experts = 0..l.n_expert;
+    let le = |a: f64, b: f64| a <= b + 1e-6 * b.abs();
+    let failing = |f: &dyn Fn(usize) -> bool| -> Vec<usize> { experts.clone().filter(|&e| !f(e)).collect() };
+
+    let zero = failing(&|e| {
+        let dead = l.count[e] == 0;
+        dead == (r.reap_softmax_l2_sum[e] == 0.0) && dead == (r.reap_softmax_l2_sq_sum[e] == 0.0)
+    });
+    rep.check(zero.is_empty(), format!("{id}: count = 0 ⇔ reap_softmax_l2_sum = 0 ⇔ reap_softmax_l2_sq_sum = 0{}", list_if_any(&zero)));
+    let null = failing(&|e| (l.count[e] == 0) == r.max_activation[e].is_none());
+    rep.check(null.is_empty(), format!("{id}: count = 0 ⇔ max_activation is null{}", list_if_any(&null)));
+    let finite = failing(&|e| r.max_activation[e].map_or(true, f64::is_finite));
+    rep.check(finite.is_empty(), format!("{id}: max_activation finite{}", list_if_any(&finite)));
+    let cs = failing(&|e| {
+        l.count[e] == 0 || r.reap_softmax_l2_sq_sum[e] >= r.reap_softmax_l2_sum[e].powi(2) / l.count[e] as f64 * (1.0 - 1e-12)
+    });
+    rep.check(cs.is_empty(), format!("{id}: reap_softmax_l2_sq_sum ≥ reap_softmax_l2_sum²/count{}", list_if_any(&cs)));
+    // no element exceeds its vector's norm: |max element| ≤ max ‖f‖₂ (exact: x² is exact in f64)
+    let within = failing(&|e| r.max_activation[e].map_or(true, |m| m.abs() <= l.max_l2[e]));
+    rep.check(within.is_empty(), format!("{id}: |max_activation| ≤ max_l2{}", list_if_any(&within)));
+
+    if gating.softmax {
+        // p ≤ 1, so p·‖f‖ ≤ ‖f‖ term by term
+        let below = failing(&|e| le(r.reap_softmax_l2_sum[e], l.ean_sum[e]));
+        rep.check(below.is_empty(), format!("{id}: reap_softmax_l2_sum ≤ ean_sum (p ≤ 1){}", list_if_any(&below)));
+        // a token's picks hold at most the whole softmax mass: Σ over picks of p ≤ 1
+        let sp: f64 = l.router_prob_sum.iter().sum();
+        rep.check(le(sp, l.tokens as f64), format!("{id}: Σrouter_prob_sum = {sp:.6} ≤ tokens {} (Σ over a token's picks of p ≤ 1)", l.tokens));
+    }
+    if gating.softmax && gating.normalised == Some(true) {
+        // g = p / Σ over picks of p ≥ p, pick by pick
+        let ge = failing(&|e| {
+            le(l.router_prob_sum[e], l.prob_sum[e])
+                && le(r.reap_softmax_l2_sum[e], l.reap_l2_sum[e])
+                && le(r.reap_softmax_l2_sq_sum[e], l.reap_l2_sq_sum[e])
+        });
+        rep.check(
+            ge.is_empty(),
+            format!("{id}: softmax sums ≤ applied-gate sums (router_prob_sum ≤ prob_sum, reap_softmax_* ≤ reap_*; normalised gating){}", list_if_any(&ge)),
+        );
+    }
+    if gating.gate_is_p {
+        let same = failing(&|e| {
+            r.reap_softmax_l2_sum[e] == l.reap_l2_sum[e] && r.reap_softmax_l2_sq_sum[e] == l.reap_l2_sq_sum[e] && l.router_prob_sum[e] == l.prob_sum[e]
+        });
+        rep.check(same.is_empty(), format!("{id}: softmax sums = applied-gate sums exactly (the model applies p itself){}", list_if_any(&same)));
+    }
 }
 
 fn list_if_any(v: &[usize]) -> String {
@@ -118,12 +194,26 @@ fn list_if_any(v: &[usize]) -> String {
 pub fn run(args: &CheckArgs) -> Result<i32> {
     let s = Saliency::read(&args.reap).map_err(|e| UsageError(format!("{e:#}")))?;
     let mut rep = Report::default();
-    let normalised = s.metadata.get("routing").and_then(|r| r.get("normalised")).and_then(|v| v.as_bool());
-    check_saliency(&s, normalised, args.top, &mut rep);
+    let gating = Gating::from_metadata(&s);
+    let normalised = gating.normalised;
+    check_saliency(&s, gating, args.top, &mut rep);
 
     if let Some(p) = &args.imatrix {
         let im = imatrix_file::load(p).map_err(|e| UsageError(format!("{e:#}")))?;
-        for l in &s.layers {
+        let im_tokens = im.chunk_count as i64 * im.chunk_size as i64;
+        // a run killed between writing its imatrix and its JSON leaves them one checkpoint
+        // apart: both are complete, but they count different tokens
+        let same_point = im.is_legacy || im.chunk_size <= 0 || im_tokens == s.tokens as i64;
+        if !same_point {
+            rep.notes.push(format!(
+                "imatrix {} covers {} chunks × {} = {im_tokens} tokens, the JSON {} tokens (checkpoints of different moments): counts not compared",
+                p.display(),
+                im.chunk_count,
+                im.chunk_size,
+                s.tokens
+            ));
+        }
+        for l in s.layers.iter().filter(|_| same_point) {
             let name = format!("blk.{}.ffn_down_exps.weight", l.layer);
             match im.entries.get(&name) {
                 None => rep.check(false, format!("layer {}: imatrix {} has no {name}", l.layer, p.display())),
@@ -140,19 +230,29 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
         if t.header_count_missing {
             rep.notes.push(format!("trace {}: header says 0 rows; read the {} rows present", p.display(), t.n_rows));
         }
+        // the trace is appended between checkpoints, so after a kill (or with the JSON of an
+        // earlier checkpoint) it may hold more rows than the JSON counted, never fewer
         rep.check(
-            t.n_rows == s.trace_tokens_written,
-            format!("trace rows {} = trace_tokens_written {}", t.n_rows, s.trace_tokens_written),
+            t.n_rows >= s.trace_tokens_written,
+            format!("trace rows {} ≥ trace_tokens_written {}", t.n_rows, s.trace_tokens_written),
         );
+        if t.n_rows > s.trace_tokens_written {
+            rep.notes.push(format!(
+                "trace holds {} rows, {} more than this JSON's checkpoint counted (the run went on after it, or was stopped): its first {} rows are compared",
+                t.n_rows,
+                t.n_rows - s.trace_tokens_written,
+                s.trace_tokens_written
+            ));
+        }
         let layers_match = t.header.layers == s.layers.iter().map(|l| l.layer).collect::<Vec<_>>();
         rep.check(layers_match, format!("trace layers {:?} are the JSON's MoE layers", t.header.layers));
         if let Some(n) = normalised {
             rep.check((t.header.flags & FLAG_NORMALISED != 0) == n, "trace and JSON agree on normalised gating");
         }
-        if layers_match && t.n_rows == s.tokens && s.nonfinite_drops == 0 {
+        if layers_match && s.trace_tokens_written == s.tokens && t.n_rows >= s.tokens && s.nonfinite_drops == 0 {
             let k = t.header.k as usize;
             let mut counts: Vec<Vec<u64>> = s.layers.iter().map(|l| vec![0; l.n_expert]).collect();
-            for r in t.rows() {
+            for r in t.rows().take(s.tokens as usize) {
                 for (li, c) in counts.iter_mut().enumerate() {
                     for &e in &r.sel_ids(li)[..k] {
                         if let Some(x) = c.get_mut(e as usize) {
@@ -204,14 +304,117 @@ mod tests {
         l.reap_l2_sum = vec![3.0, 2.0, 1.0, 0.0];
         l.reap_l2_sq_sum = vec![3.0, 2.0, 1.0, 0.0];
         l.ean_sum = vec![6.0, 4.0, 2.0, 0.0];
+        // every pick: ‖f‖ = 2, g = 0.5, p = 0.4
+        l.max_l2 = vec![2.0, 2.0, 2.0, 0.0];
+        l.router_prob_sum = vec![1.2, 0.8, 0.4, 0.0];
+        l.reference = Some(ReferenceSums {
+            reap_softmax_l2_sum: vec![2.4, 1.6, 0.8, 0.0],
+            reap_softmax_l2_sq_sum: vec![1.92, 1.28, 0.64, 0.0],
+            max_activation: vec![Some(1.5), Some(-0.5), Some(2.0), None],
+        });
         l
     }
 
-    fn verdict(l: LayerSums, tokens: u64, drops: u64) -> Report {
+    const NORMALISED: Gating = Gating { normalised: Some(true), softmax: true, gate_is_p: false };
+
+    fn verdict_with(l: LayerSums, tokens: u64, drops: u64, gating: Gating) -> Report {
         let s = Saliency { tokens, nonfinite_drops: drops, layers: vec![l], ..Default::default() };
         let mut r = Report::default();
-        check_saliency(&s, Some(true), 2, &mut r);
+        check_saliency(&s, gating, 2, &mut r);
         r
+    }
+
+    fn verdict(l: LayerSums, tokens: u64, drops: u64) -> Report {
+        verdict_with(l, tokens, drops, NORMALISED)
+    }
+
+    /// Asserts that the finding containing `what` fails (others may fail with it: a tampered
+    /// value often breaks more than one relation).
+    fn fails(r: &Report, what: &str) {
+        let failed: Vec<&str> = r.findings.iter().filter(|f| !f.ok).map(|f| f.what.as_str()).collect();
+        assert!(failed.iter().any(|f| f.contains(what)), "expected «{what}» to fail, failed: {failed:#?}");
+    }
+
+    #[test]
+    fn each_broken_reference_invariant_is_caught() {
+        let base = layer();
+        assert!(verdict(base.clone(), 3, 0).all_hold());
+        let tamper = |f: &dyn Fn(&mut LayerSums)| {
+            let mut l = base.clone();
+            f(&mut l);
+            l
+        };
+        fn r(l: &mut LayerSums) -> &mut ReferenceSums {
+            l.reference.as_mut().unwrap()
+        }
+        // a dead expert with a softmax sum, or a live one without
+        fails(&verdict(tamper(&|l| r(l).reap_softmax_l2_sum[3] = 0.1), 3, 0), "count = 0 ⇔ reap_softmax_l2_sum = 0");
+        fails(&verdict(tamper(&|l| r(l).reap_softmax_l2_sq_sum[2] = 0.0), 3, 0), "count = 0 ⇔ reap_softmax_l2_sum = 0");
+        // max_activation null exactly for the dead
+        fails(&verdict(tamper(&|l| r(l).max_activation[3] = Some(0.0)), 3, 0), "max_activation is null");
+        fails(&verdict(tamper(&|l| r(l).max_activation[1] = None), 3, 0), "max_activation is null");
+        fails(&verdict(tamper(&|l| r(l).max_activation[1] = Some(f64::NAN)), 3, 0), "max_activation finite");
+        // Cauchy–Schwarz: Σx² ≥ (Σx)²/n = 2.4²/3 = 1.92
+        fails(&verdict(tamper(&|l| r(l).reap_softmax_l2_sq_sum[0] = 1.9), 3, 0), "reap_softmax_l2_sq_sum ≥");
+        // an element larger than its vector's norm
+        fails(&verdict(tamper(&|l| r(l).max_activation[0] = Some(2.5)), 3, 0), "|max_activation| ≤ max_l2");
+        fails(&verdict(tamper(&|l| r(l).max_activation[0] = Some(-2.01)), 3, 0), "|max_activation| ≤ max_l2");
+        // p ≤ 1: p·‖f‖ ≤ ‖f‖ (under unnormalised softmax gating, so only this one applies)
+        let softmax = Gating { normalised: None, softmax: true, gate_is_p: false };
+        let big = tamper(&|l| {
+            r(l).reap_softmax_l2_sum[2] = 2.5;
+            r(l).reap_softmax_l2_sq_sum[2] = 6.25;
+        });
+        fails(&verdict_with(big.clone(), 3, 0, softmax), "reap_softmax_l2_sum ≤ ean_sum");
+        // and without softmax gating, nothing is said about p's size
+        assert!(verdict_with(big, 3, 0, Gating::default()).all_hold());
+        // Σ over a token's picks of p ≤ 1: Σrouter_prob_sum ≤ tokens
+        fails(&verdict_with(tamper(&|l| l.router_prob_sum = vec![1.5, 1.0, 0.6, 0.0]), 3, 0, softmax), "Σ over a token's picks of p ≤ 1");
+        // normalised gating: g ≥ p pick by pick, so every softmax sum is at most its gate sum
+        fails(&verdict(tamper(&|l| l.router_prob_sum[0] = 1.6), 3, 0), "softmax sums ≤ applied-gate sums");
+        fails(&verdict(tamper(&|l| r(l).reap_softmax_l2_sum[1] = 2.01), 3, 0), "softmax sums ≤ applied-gate sums");
+        fails(&verdict(tamper(&|l| r(l).reap_softmax_l2_sq_sum[1] = 2.1), 3, 0), "softmax sums ≤ applied-gate sums");
+    }
+
+    #[test]
+    fn where_the_model_applies_p_the_two_sums_are_equal() {
+        let gate_is_p = Gating { normalised: Some(false), softmax: true, gate_is_p: true };
+        let mut l = layer();
+        l.router_prob_sum = l.prob_sum.clone();
+        let rs = l.reference.as_mut().unwrap();
+        rs.reap_softmax_l2_sum = l.reap_l2_sum.clone();
+        rs.reap_softmax_l2_sq_sum = l.reap_l2_sq_sum.clone();
+        assert!(verdict_with(l.clone(), 3, 0, gate_is_p).all_hold());
+        l.reference.as_mut().unwrap().reap_softmax_l2_sum[0] = 3.0000000000000004;
+        fails(&verdict_with(l, 3, 0, gate_is_p), "softmax sums = applied-gate sums exactly");
+    }
+
+    #[test]
+    fn gating_is_read_from_the_metadata() {
+        let with = |routing: serde_json::Value| {
+            let mut s = Saliency::default();
+            s.metadata.insert("routing".into(), routing);
+            Gating::from_metadata(&s)
+        };
+        use serde_json::json;
+        let g = with(json!({"probs_op": "SOFT_MAX", "weights_node": "ffn_moe_weights-0", "normalised": false}));
+        assert_eq!(g, Gating { normalised: Some(false), softmax: true, gate_is_p: true });
+        let g = with(json!({"probs_op": "SOFT_MAX", "weights_node": "ffn_moe_weights_norm-0", "normalised": true}));
+        assert_eq!(g, Gating { normalised: Some(true), softmax: true, gate_is_p: false });
+        let g = with(json!({"probs_op": "UNARY", "weights_node": "ffn_moe_weights-0", "normalised": false}));
+        assert_eq!(g, Gating { normalised: Some(false), softmax: false, gate_is_p: false });
+        // older files without probs_op: softmax presumed only under normalised gating
+        assert!(with(json!({"normalised": true})).softmax);
+        assert!(!with(json!({})).softmax);
+    }
+
+    #[test]
+    fn a_file_without_reference_statistics_passes_with_a_note() {
+        let mut l = layer();
+        l.reference = None;
+        let r = verdict(l, 3, 0);
+        assert!(r.all_hold(), "{:?}", r.findings);
+        assert!(r.notes.iter().any(|n| n.contains("not checked")), "{:?}", r.notes);
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub struct ImatrixArgs {
     pub output_format: Option<OutputFormat>,
 
     /// size of the prompt context (0 = loaded from model)
-    #[arg(short = 'c', long = "ctx-size", value_name = "N", default_value_t = 512)]
+    #[arg(short = 'c', long = "ctx-size", value_name = "N", default_value_t = 512, allow_negative_numbers = true)]
     pub ctx_size: i32,
 
     /// logical maximum batch size
@@ -132,9 +132,9 @@ pub struct ImatrixArgs {
     #[arg(long = "trace-tokens", value_name = "N", help_heading = "REAP")]
     pub trace_tokens: Option<u64>,
 
-    /// router candidates kept per token and layer (at most n_expert)
-    #[arg(long = "trace-top-n", value_name = "N", default_value_t = 64, help_heading = "REAP")]
-    pub trace_top_n: usize,
+    /// router candidates kept per token and layer (default 64, at most n_expert)
+    #[arg(long = "trace-top-n", value_name = "N", help_heading = "REAP")]
+    pub trace_top_n: Option<usize>,
 
     /// run manifest (default: beside -o, `<stem>.manifest.json`)
     #[arg(long = "manifest-out", value_name = "PATH", help_heading = "REAP")]
@@ -152,6 +152,11 @@ pub struct ImatrixArgs {
 impl ImatrixArgs {
     pub fn compute_ppl(&self) -> bool {
         !self.no_ppl
+    }
+
+    /// `--trace-top-n`, or its default 64 (a model with fewer experts keeps all of them).
+    pub fn trace_top_n_or_default(&self) -> usize {
+        self.trace_top_n.unwrap_or(64)
     }
 }
 

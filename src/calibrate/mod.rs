@@ -8,6 +8,7 @@ pub mod metadata;
 pub mod observer;
 pub mod perplexity;
 pub mod show_statistics;
+pub mod validate;
 pub mod writer;
 
 use crate::calibrate::args::{beside_output, ImatrixArgs, OutputFormat};
@@ -83,7 +84,7 @@ impl Plan {
         if args.no_reap && (args.trace_out.is_some() || args.reap_out.is_some()) {
             bail!(UsageError("--no-reap cannot be combined with --reap-out or --trace-out".into()));
         }
-        if args.trace_top_n == 0 {
+        if args.trace_top_n == Some(0) {
             bail!(UsageError("--trace-top-n must be at least 1".into()));
         }
         Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, args })
@@ -162,16 +163,18 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     if args.show_statistics {
         return show_statistics::show(&args);
     }
-    let plan = Plan::from_args(args)?;
+    let mut plan = Plan::from_args(args)?;
     plan.check_outputs()?;
+    // every check that needs no model load comes first (docs/failures.md)
+    let (model_path, header, text) = validate::before_loading(&mut plan)?;
     let mut collector = plan.collector();
     for f in &plan.in_files {
         eprintln!("loading imatrix from '{}'", f.display());
-        let loaded = imatrix_file::load(f)?;
+        let loaded = imatrix_file::load(f).map_err(|e| UsageError(format!("--in-file: {e:#}")))?;
+        validate::in_file_matches_model(f, &loaded.entries, &model_path, &header)?;
         collector.merge(&loaded).map_err(|e| anyhow::anyhow!("--in-file {}: {e}", f.display()))?;
     }
-    let model_path = plan.args.model.clone().ok_or_else(|| UsageError("-m/--model is required".into()))?;
-    let Some(text_path) = plan.args.file.clone() else {
+    let (Some(text_path), Some(text)) = (plan.args.file.clone(), text) else {
         eprintln!("No prompt provided; combining precomputed matrices only.");
         if plan.in_files.is_empty() {
             bail!(UsageError("No prompt provided and no precomputed matrices (--in-file) to combine.".into()));
@@ -183,7 +186,6 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let model = FileRecord::of("model", &model_path, &std::env::current_dir()?)?;
         return write_manifest(&plan, argv, model, &[]);
     };
-    let text = read_text(&text_path)?;
     let model_size = std::fs::metadata(&model_path).map(|m| m.len()).unwrap_or(0);
     // hashing a large model takes a while: once per file version (cached), beside the compute
     let model_sha = {
@@ -193,7 +195,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     let model = Model::load(&model_path, &model_params(&plan.args)?)?;
     let ctx_params = context_params(&plan)?;
     let reap = plan.reap_out.as_ref().map(|_| {
-        let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n, plan.args.trace_tokens.unwrap_or(u64::MAX)));
+        let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n_or_default(), plan.args.trace_tokens.unwrap_or(u64::MAX)));
         ReapState::new(trace)
     });
     let mut ctx = Context::new(&model, &ctx_params, CalibrationObserver::new(collector, reap))?;
@@ -219,6 +221,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     out.flush(&mut ctx);
     if let Err(e) = outcome {
         let w = out.writer.finish();
+        if e.is::<writer::WriteFailed>() {
+            return Err(w.err().unwrap_or(e).context("the run stopped; earlier checkpoints are left as they were"));
+        }
         return Err(e.context(match w {
             Ok(()) => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
             Err(we) => format!("and writing the last checkpoint failed too: {we:#}"),
@@ -288,7 +293,7 @@ impl Outputs<'_> {
             "ctx": self.plan.n_ctx, "batch": self.plan.n_batch, "ubatch": a.ubatch_size, "n_seq": self.plan.n_seq,
             "chunks": a.chunks, "chunks_done": self.chunks_done, "from_chunk": a.chunk,
             "output_frequency": a.output_frequency, "threads": a.threads, "n_gpu_layers": a.n_gpu_layers,
-            "trace_top_n": a.trace_top_n, "trace_tokens": a.trace_tokens,
+            "trace_top_n": a.trace_top_n_or_default(), "trace_tokens": a.trace_tokens,
         })
     }
 
@@ -306,8 +311,10 @@ impl Outputs<'_> {
         s
     }
 
-    /// Hands everything the observer queued to the writer.
+    /// Hands everything the observer queued to the writer: trace rows first, so that (the
+    /// writer being FIFO) every row a checkpoint's JSON counts is on disk before that JSON.
     fn flush(&mut self, ctx: &mut Context<'_, CalibrationObserver>) {
+        self.flush_trace(ctx);
         let checkpoints: Vec<Checkpoint> = ctx.observer_mut().checkpoints.drain(..).collect();
         for c in checkpoints {
             let job = self.plan.job(c.imatrix);
@@ -324,6 +331,9 @@ impl Outputs<'_> {
                 }
             }
         }
+    }
+
+    fn flush_trace(&mut self, ctx: &mut Context<'_, CalibrationObserver>) {
         let Some(trace_path) = self.plan.args.trace_out.clone() else { return };
         let obs = ctx.observer_mut();
         let Some(r) = obs.reap.as_mut() else { return };
@@ -360,15 +370,6 @@ fn same_file(a: &Path, b: &Path) -> bool {
 /// Whether the gate weights the graph applies come out of the top-k normalisation.
 fn is_normalised_node(name: &str) -> bool {
     name.starts_with("ffn_moe_weights_norm")
-}
-
-/// The corpus, as upstream reads `-f`: bytes, one trailing newline removed.
-pub fn read_text(path: &Path) -> Result<Vec<u8>> {
-    let mut text = std::fs::read(path).map_err(|e| UsageError(format!("calibration file {}: {e}", path.display())))?;
-    if text.last() == Some(&b'\n') {
-        text.pop();
-    }
-    Ok(text)
 }
 
 pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
@@ -509,6 +510,9 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             let r = ctx.decode_or_stop(&mut batch);
             ctx.observer_mut().finish_ubatch();
             outputs.flush(ctx);
+            if let Some(e) = outputs.writer.failure() {
+                return Err(e.into());
+            }
             if let Some(f) = ctx.observer_mut().failure.take() {
                 bail!("{f}");
             }

@@ -90,7 +90,9 @@ impl CalibrationObserver {
         Some(crate::formats::saliency::Saliency {
             tokens: r.sums.tokens_seen,
             nonfinite_drops: r.sums.nonfinite_drops,
-            trace_tokens_written: r.trace.as_ref().map_or(0, |t| t.rows),
+            // rows of the tokens these sums cover (rows run ahead of a checkpoint taken
+            // mid-ubatch); a whole run's trace has them all
+            trace_tokens_written: r.trace.as_ref().map_or(0, |t| t.rows.min(r.sums.tokens_seen)),
             metadata: Default::default(),
             layers: r.sums.layers.clone(),
         })

@@ -8,6 +8,7 @@ use crate::formats::saliency::Saliency;
 use crate::formats::trace::{TraceFile, TraceHeader};
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,6 +24,9 @@ pub enum Job {
     TraceCreate { path: PathBuf, header: TraceHeader },
     /// appends encoded rows and rewrites the header; the buffer comes back for reuse
     TraceRows { rows: Vec<u8>, n: u64 },
+    /// makes the writer thread panic (tests of a dead writer)
+    #[cfg(test)]
+    Panic,
 }
 
 pub struct Writer {
@@ -30,28 +34,53 @@ pub struct Writer {
     handle: Option<JoinHandle<Result<()>>>,
     /// emptied row buffers, back from the writer
     recycled: Receiver<Vec<u8>>,
+    /// the first write error, as soon as it happens, for the compute thread to stop on
+    failed: Arc<OnceLock<String>>,
 }
+
+/// The run stopped because a write failed; the writer's own error says which file and why.
+#[derive(Debug)]
+pub struct WriteFailed(pub String);
+
+impl std::fmt::Display for WriteFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stopped: {}", self.0)
+    }
+}
+impl std::error::Error for WriteFailed {}
 
 impl Writer {
     pub fn spawn() -> Writer {
         let (tx, rx) = bounded::<Job>(8);
         let (back_tx, recycled) = bounded::<Vec<u8>>(8);
+        let failed = Arc::new(OnceLock::new());
+        let seen = failed.clone();
         let handle = std::thread::Builder::new()
             .name("reap-writer".into())
             .spawn(move || -> Result<()> {
-                let mut first_err = None;
+                let mut first_err: Option<anyhow::Error> = None;
                 let mut trace: Option<TraceFile> = None;
                 for job in rx {
-                    let r = run_job(job, &mut trace, &back_tx);
-                    if let Err(e) = r {
-                        // keep draining so the compute thread never blocks on a dead writer
-                        first_err.get_or_insert(e);
+                    // after a failure the rest is dropped unwritten (a later checkpoint must not
+                    // replace a good one with a state the trace no longer matches), but the
+                    // queue keeps draining so the compute thread never blocks on a dead writer
+                    if first_err.is_some() {
+                        continue;
+                    }
+                    if let Err(e) = run_job(job, &mut trace, &back_tx) {
+                        let _ = seen.set(format!("{e:#}"));
+                        first_err = Some(e);
                     }
                 }
                 first_err.map_or(Ok(()), Err)
             })
             .expect("spawning the writer thread");
-        Writer { tx: Some(tx), handle: Some(handle), recycled }
+        Writer { tx: Some(tx), handle: Some(handle), recycled, failed }
+    }
+
+    /// The first write error so far (the run should stop), or None.
+    pub fn failure(&self) -> Option<WriteFailed> {
+        self.failed.get().map(|e| WriteFailed(e.clone()))
     }
 
     /// An empty buffer for trace rows: a recycled one when the writer has returned any.
@@ -61,7 +90,10 @@ impl Writer {
 
     pub fn send(&self, job: Job) {
         if let Some(tx) = &self.tx {
-            let _ = tx.send(job);
+            if tx.send(job).is_err() {
+                // the thread is gone (it panicked): say so instead of waiting on it
+                let _ = self.failed.set("the writer thread ended unexpectedly".into());
+            }
         }
     }
 
@@ -70,7 +102,10 @@ impl Writer {
         self.tx.take();
         match self.handle.take().map(|h| h.join()) {
             Some(Ok(r)) => r,
-            Some(Err(p)) => std::panic::resume_unwind(p),
+            Some(Err(p)) => {
+                let why = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
+                Err(anyhow::anyhow!("the writer thread panicked: {why}"))
+            }
             None => Ok(()),
         }
     }
@@ -105,5 +140,57 @@ fn run_job(job: Job, trace: &mut Option<TraceFile>, back: &Sender<Vec<u8>>) -> R
             let _ = back.try_send(rows);
             r
         }
+        #[cfg(test)]
+        Job::Panic => panic!("injected writer panic"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::formats::trace::TraceHeader;
+
+    /// A writer whose first file cannot be written: the error is visible to the compute thread
+    /// at once, later jobs neither block nor write, and finish() returns the first error.
+    #[test]
+    fn a_failed_write_is_reported_at_once_and_never_blocks() {
+        let dir = std::env::temp_dir().join(format!("reap-writer-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let w = Writer::spawn();
+        let header = TraceHeader { layers: vec![0], n_expert: 4, k: 1, top_n: 2, n_tokens: 0, flags: 0 };
+        w.send(Job::TraceCreate { path: dir.join("no-such-folder/trace.bin"), header: header.clone() });
+        let t0 = std::time::Instant::now();
+        while w.failure().is_none() {
+            assert!(t0.elapsed().as_secs() < 10, "the failure never showed");
+            std::thread::yield_now();
+        }
+        assert!(w.failure().unwrap().to_string().contains("no-such-folder"));
+        // far more jobs than the channel holds: none blocks, none is written
+        let later = dir.join("later.bin");
+        for _ in 0..100 {
+            w.send(Job::TraceRows { rows: vec![0; header.row_size()], n: 1 });
+        }
+        w.send(Job::TraceCreate { path: later.clone(), header });
+        let e = w.finish().unwrap_err();
+        assert!(format!("{e:#}").contains("no-such-folder"), "{e:#}");
+        assert!(!later.exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A writer thread that dies: sends return at once, the compute side sees the failure,
+    /// and finish() returns an error instead of hanging or re-raising the panic.
+    #[test]
+    fn a_dead_writer_never_blocks_the_sender() {
+        let w = Writer::spawn();
+        w.send(Job::Panic);
+        let t0 = std::time::Instant::now();
+        // far more than the channel holds: each send fails fast once the thread is gone
+        while w.failure().is_none() {
+            w.send(Job::TraceRows { rows: Vec::new(), n: 0 });
+            assert!(t0.elapsed().as_secs() < 10, "blocked or never noticed");
+        }
+        assert!(w.failure().unwrap().to_string().contains("ended unexpectedly"));
+        let e = w.finish().unwrap_err();
+        assert!(format!("{e:#}").contains("injected writer panic"), "{e:#}");
     }
 }

@@ -64,6 +64,8 @@ enum Command {
     Reproduce(crate::analyze::reproduce::ReproduceArgs),
     /// KL divergence, top-1 agreement and PPL of models against a base (as llama-perplexity --kl-divergence).
     Eval(crate::eval::EvalArgs),
+    /// Write a saliency JSON in another tool's terms (CerebrasResearch/reap's observer state).
+    Export(crate::analyze::export::ExportArgs),
 }
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
@@ -88,6 +90,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Replay(args) => crate::analyze::replay::run(&args),
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
         Command::Eval(args) => crate::eval::run(&args),
+        Command::Export(args) => crate::analyze::export::run(&args),
     }
 }
 

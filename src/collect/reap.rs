@@ -8,10 +8,26 @@
 //! - `ffn_moe_weighted-L`: `src[1]` is the gate weights `g` `[1, k, T]` the model multiplies
 //!   `f` by (after normalisation and scaling, without any selection bias).
 //!
-//! Sums are f64, accumulated token by token in graph order, so a rerun gives identical bytes.
-//! A (token, layer) whose gate or norm is not finite is left out of every sum and counted.
+//! Per routed (token, expert), with g the applied gate and ‖f‖₂ computed in f64 over `f`'s
+//! elements in order: `count += 1`, `prob_sum += g`, `reap_l2_sum += g·‖f‖`,
+//! `reap_l2_sq_sum += (g·‖f‖)²`, `ean_sum += ‖f‖`, `max_l2 = max(‖f‖)`.
+//!
+//! The REAP reference's statistics (CerebrasResearch/reap, CONTRACT §6) come from the same
+//! nodes, with no extra node read: p is the expert's entry of `ffn_moe_probs-L` (the router's
+//! softmax over all experts, before any top-k normalisation or scaling; read through the
+//! node's strides at `[expert, token]`, in f32, widened to f64):
+//! `router_prob_sum += p`, `reap_softmax_l2_sum += p·‖f‖`, `reap_softmax_l2_sq_sum += (p·‖f‖)²`,
+//! and `max_activation = max over routed tokens of the largest element of f` (an f32 value, so
+//! exact; None until the expert is routed once). Where the graph applies p itself (qwen2moe:
+//! `ffn_moe_weighted`'s `src[1]` is `ffn_moe_weights`, a GET_ROWS of the probs) g = p bit for
+//! bit, and the softmax sums equal the applied-gate sums exactly.
+//!
+//! Sums are f64, accumulated token by token in graph order (tokens of the ubatch in order, the
+//! k picks of a token in the model's top-k order), so a rerun gives identical bytes.
+//! A (token, layer) whose gate, router probability or norm is not finite is left out of every
+//! sum and counted.
 
-use crate::formats::saliency::LayerSums;
+use crate::formats::saliency::{LayerSums, ReferenceSums};
 use crate::llama::TensorInfo;
 
 /// Routing of one layer for the ubatch in flight, kept for the trace.
@@ -26,6 +42,8 @@ pub struct LayerRouting {
     pub probs: Vec<f32>,
     /// `[T][k]` ‖f‖₂ of each selected expert's output
     pub norms: Vec<f64>,
+    /// `[T][k]` largest element of each selected expert's output
+    pub maxes: Vec<f32>,
     /// the node the norms were read from (must be the weighting node's `src[0]`)
     pub norms_from: String,
 }
@@ -135,17 +153,22 @@ impl ReapCollector {
         let (n_embd, n_tokens) = (f.ne[0] as usize, f.ne[2] as usize);
         let r = &mut self.routing[slot];
         r.norms.clear();
+        r.maxes.clear();
         r.norms_from = f.name.to_string();
+        // Σx² in f64, in element order (the same bytes on every run), and the largest x, in
+        // one pass over the row
+        let add = |(ss, mx): (f64, f32), x: f32| (ss + x as f64 * x as f64, mx.max(x));
         for tok in 0..n_tokens {
             for s in 0..k {
                 let off = f.offset([0, s as i64, tok as i64, 0]);
-                // Σx² in f64, in element order: the same bytes on every run
-                let ss: f64 = if f.nb[0] == 4 {
-                    f32s(f_data, off, n_embd).iter().map(|&x| x as f64 * x as f64).sum()
+                let start = (0.0f64, f32::NEG_INFINITY);
+                let (ss, mx) = if f.nb[0] == 4 {
+                    f32s(f_data, off, n_embd).iter().fold(start, |a, &x| add(a, x))
                 } else {
-                    (0..n_embd).map(|j| read_f32(f_data, off + j * f.nb[0]) as f64).map(|x| x * x).sum()
+                    (0..n_embd).map(|j| read_f32(f_data, off + j * f.nb[0])).fold(start, add)
                 };
                 r.norms.push(ss.sqrt());
+                r.maxes.push(mx);
             }
         }
         Ok(())
@@ -159,7 +182,7 @@ impl ReapCollector {
         if g.ne[0] != 1 || g.ne[1] as usize != k {
             return Err(format!("ffn_moe_weighted: unexpected gate shape {:?} (k = {k})", g.ne));
         }
-        if r.norms_from != f_name || r.norms.len() != n_tokens * k {
+        if r.norms_from != f_name || r.norms.len() != n_tokens * k || r.maxes.len() != n_tokens * k {
             return Err(format!(
                 "ffn_moe_weighted of layer {} weights {f_name}, but the expert outputs read were {} ({} norms for {n_tokens} tokens)",
                 self.layers[slot].layer,
@@ -181,6 +204,7 @@ impl ReapCollector {
         if slot == 0 {
             self.tokens_seen += n_tokens as u64;
         }
+        let mut reference = sums.reference.take().unwrap_or_else(|| ReferenceSums::new(n_expert));
         let mut gates = vec![0f64; k];
         for tok in 0..n_tokens {
             let mut finite = true;
@@ -188,7 +212,8 @@ impl ReapCollector {
                 let gv = read_f32(g_data, g.offset([0, s as i64, tok as i64, 0]));
                 r.sel_weight.push(gv);
                 gates[s] = gv as f64;
-                finite &= gates[s].is_finite() && r.norms[tok * k + s].is_finite();
+                let p = r.probs[tok * n_expert + r.sel_id[tok * k + s] as usize];
+                finite &= gates[s].is_finite() && p.is_finite() && r.norms[tok * k + s].is_finite();
             }
             if !finite {
                 self.nonfinite_drops += 1;
@@ -198,18 +223,28 @@ impl ReapCollector {
             for s in 0..k {
                 let e = r.sel_id[tok * k + s] as usize;
                 let (gv, n) = (gates[s], r.norms[tok * k + s]);
+                let p = r.probs[tok * n_expert + e] as f64;
                 let reap = gv * n;
                 sums.count[e] += 1;
                 sums.prob_sum[e] += gv;
                 sums.reap_l2_sum[e] += reap;
                 sums.reap_l2_sq_sum[e] += reap * reap;
                 sums.ean_sum[e] += n;
-                sums.router_prob_sum[e] += r.probs[tok * n_expert + e] as f64;
+                sums.router_prob_sum[e] += p;
                 if n > sums.max_l2[e] {
                     sums.max_l2[e] = n;
                 }
+                let reap_p = p * n;
+                reference.reap_softmax_l2_sum[e] += reap_p;
+                reference.reap_softmax_l2_sq_sum[e] += reap_p * reap_p;
+                let m = r.maxes[tok * k + s] as f64;
+                let best = &mut reference.max_activation[e];
+                if best.map_or(true, |b| m > b) {
+                    *best = Some(m);
+                }
             }
         }
+        sums.reference = Some(reference);
         Ok(())
     }
 }
@@ -266,6 +301,47 @@ mod tests {
         assert_eq!(l.router_prob_sum, [g64(0.5), g64(0.25), g64(0.3), g64(0.4)]);
         assert_eq!(l.max_l2, [10.0, 1.0, 1.0, 5.0]);
         assert_eq!(l.reap_l2_sq_sum[0], (g64(0.7) * 10.0).powi(2));
+        // the reference's statistics weight by the router probability p instead of g
+        let r = l.reference.as_ref().unwrap();
+        assert_eq!(r.reap_softmax_l2_sum, [g64(0.5) * 10.0, g64(0.25), g64(0.3), g64(0.4) * 5.0]);
+        assert_eq!(r.reap_softmax_l2_sq_sum, [(g64(0.5) * 10.0).powi(2), g64(0.25).powi(2), g64(0.3).powi(2), (g64(0.4) * 5.0).powi(2)]);
+        // largest element of f: (6,8) → 8, (1,0) → 1, (0,1) → 1, (3,4) → 4
+        assert_eq!(r.max_activation, [Some(8.0), Some(1.0), Some(1.0), Some(4.0)]);
+    }
+
+    /// The largest element is a value, not a magnitude: an all-negative output gives a negative
+    /// maximum; read through a strided `f` (every other f32); an expert never routed has none.
+    #[test]
+    fn max_activation_is_the_largest_signed_element() {
+        let mut c = ReapCollector::new();
+        c.slot_for(0, 3, 2).unwrap();
+        let probs = [0.5f32, 0.3, 0.2, 0.6, 0.3, 0.1];
+        c.on_probs(0, &info("p", [3, 2, 1, 1], [4, 12, 24, 24], sys::GGML_TYPE_F32), &bytes_f32(&probs)).unwrap();
+        let ids: Vec<u8> = [0i32, 1, 1, 0].iter().flat_map(|x| x.to_ne_bytes()).collect();
+        c.on_topk(0, &info("t", [2, 2, 1, 1], [4, 8, 16, 16], sys::GGML_TYPE_I32), &ids).unwrap();
+        // f [n_embd 2, k 2, T 2] stored with nb0 = 8: the odd slots are filler
+        let f = [-3.0f32, 99.0, -0.5, 99.0, 2.0, 99.0, -7.0, 99.0, -1.0, 99.0, -2.0, 99.0, 0.25, 99.0, -4.0, 99.0];
+        let fi = info("f", [2, 2, 2, 1], [8, 16, 32, 64], sys::GGML_TYPE_F32);
+        c.on_expert_out(0, &fi, &bytes_f32(&f)).unwrap();
+        let g = [0.625f32, 0.375, 0.5, 0.5];
+        c.on_weighted(0, "f", &info("g", [1, 2, 2, 1], [4, 4, 8, 16], sys::GGML_TYPE_F32), &bytes_f32(&g)).unwrap();
+        let l = &c.layers[0];
+        let r = l.reference.as_ref().unwrap();
+        // expert 0: (-3,-0.5) then (0.25,-4) → max(-0.5, 0.25); expert 1: (2,-7) then (-1,-2) → 2
+        assert_eq!(r.max_activation, [Some(0.25), Some(2.0), None]);
+        let n = |a: f64, b: f64| (a * a + b * b).sqrt();
+        assert_eq!(r.reap_softmax_l2_sum[0], 0.5 * n(-3.0, -0.5) + 0.6f32 as f64 * n(0.25, -4.0));
+        assert_eq!(l.max_l2[1], n(2.0, -7.0));
+        assert_eq!(r.reap_softmax_l2_sum[2], 0.0);
+        // only an expert that never fires has no maximum; one whose outputs are all negative has
+        // a negative one
+        let mut c2 = ReapCollector::new();
+        c2.slot_for(0, 2, 1).unwrap();
+        c2.on_probs(0, &info("p", [2, 1, 1, 1], [4, 8, 8, 8], sys::GGML_TYPE_F32), &bytes_f32(&[0.9, 0.1])).unwrap();
+        c2.on_topk(0, &info("t", [1, 1, 1, 1], [4, 4, 4, 4], sys::GGML_TYPE_I32), &0i32.to_ne_bytes()).unwrap();
+        c2.on_expert_out(0, &info("f", [2, 1, 1, 1], [4, 8, 8, 8], sys::GGML_TYPE_F32), &bytes_f32(&[-2.0, -0.75])).unwrap();
+        c2.on_weighted(0, "f", &info("g", [1, 1, 1, 1], [4, 4, 4, 4], sys::GGML_TYPE_F32), &bytes_f32(&[1.0])).unwrap();
+        assert_eq!(c2.layers[0].reference.as_ref().unwrap().max_activation, [Some(-0.75), None]);
     }
 
     #[test]

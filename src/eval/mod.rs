@@ -11,7 +11,7 @@ pub mod prune;
 pub mod report;
 pub mod stats;
 
-use crate::calibrate::{flash_attn_type, model_params_of, read_text, thread_counts};
+use crate::calibrate::{flash_attn_type, model_params_of, thread_counts};
 use crate::error::UsageError;
 use crate::formats::atomic;
 use crate::formats::base_logits::{self, Header};
@@ -203,7 +203,8 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
     let flash_attn = flash_attn_type(&args.flash_attn)?;
 
     // the tokens, by the base's vocabulary (loaded without its weights)
-    let text = read_text(&args.file)?;
+    let n_ctx = args.ctx_size as usize;
+    let text = crate::calibrate::validate::corpus("-f", &args.file, n_ctx, 0)?;
     let (tokens, n_vocab) = {
         let vocab_model = Model::load_vocab(&args.base)?;
         let v = vocab_model.vocab();
@@ -212,7 +213,6 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         }
         (v.tokenize(&text, true, false)?, v.n_tokens())
     };
-    let n_ctx = args.ctx_size as usize;
     if tokens.len() < 2 * n_ctx {
         bail!(usage(format!(
             "-f {}: you need at least {} tokens to evaluate with a context of {n_ctx}; the text tokenizes to only {}",

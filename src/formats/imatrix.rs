@@ -103,13 +103,15 @@ pub fn write_gguf(path: &Path, m: &Imatrix, prompt_file: &str, chunk_size: i32) 
                 sys::gguf_add_tensor(g, counts);
             }
             let ok = sys::gguf_write_to_file(g, fname.as_ptr(), false);
+            // errno of the failed fwrite/fopen (ENOSPC on a full disk), before anything else runs
+            let why = std::io::Error::last_os_error();
             sys::gguf_free(g);
             sys::ggml_free(ctx);
             if !ok {
-                bail!("could not write {}", tmp.display());
+                bail!("could not write {}: {why}", tmp.display());
             }
         }
-        Ok(())
+        super::gguf_header::check_written(tmp)
     })
     .with_context(|| format!("writing imatrix {}", path.display()))
 }
@@ -166,6 +168,8 @@ pub fn load(path: &Path) -> Result<Loaded> {
 }
 
 fn load_gguf(path: &Path) -> Result<Loaded> {
+    // the sizes in the header are checked against the file before ggml allocates them
+    super::gguf_header::check_complete(path).map_err(|e| anyhow::anyhow!("imatrix file {}: not a readable GGUF file ({e})", path.display()))?;
     let fname = cstr(&path.to_string_lossy())?;
     let mut out = Loaded::default();
     // SAFETY: gguf reads into a ggml context it allocates; both are freed before returning and

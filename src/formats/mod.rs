@@ -2,6 +2,7 @@
 
 pub mod atomic;
 pub mod base_logits;
+pub mod gguf_header;
 pub mod imatrix;
 pub mod imatrix_stats;
 pub mod manifest;

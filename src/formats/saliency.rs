@@ -24,9 +24,48 @@ pub struct LayerSums {
     pub ean_sum: Vec<f64>,
     pub router_prob_sum: Vec<f64>,
     pub max_l2: Vec<f64>,
+    /// the REAP reference's statistics; None in files written before they were collected
+    pub reference: Option<ReferenceSums>,
+}
+
+/// What CerebrasResearch/reap's observer computes (CONTRACT §6), per expert: p is the router's
+/// probability before top-k normalisation, f the expert's output.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ReferenceSums {
+    /// Σ p·‖f‖₂ over routed tokens
+    pub reap_softmax_l2_sum: Vec<f64>,
+    /// Σ (p·‖f‖₂)²
+    pub reap_softmax_l2_sq_sum: Vec<f64>,
+    /// largest element value of f over routed tokens (the "super expert" statistic); None
+    /// for an expert never routed
+    pub max_activation: Vec<Option<f64>>,
+}
+
+impl ReferenceSums {
+    pub fn new(n_expert: usize) -> Self {
+        ReferenceSums { reap_softmax_l2_sum: vec![0.0; n_expert], reap_softmax_l2_sq_sum: vec![0.0; n_expert], max_activation: vec![None; n_expert] }
+    }
 }
 
 impl LayerSums {
+    /// The per-expert float arrays with their JSON names (the reference's softmax-weighted
+    /// sums too, where the file has them).
+    pub fn float_arrays(&self) -> Vec<(&'static str, &Vec<f64>)> {
+        let mut v = vec![
+            ("prob_sum", &self.prob_sum),
+            ("reap_l2_sum", &self.reap_l2_sum),
+            ("reap_l2_sq_sum", &self.reap_l2_sq_sum),
+            ("ean_sum", &self.ean_sum),
+            ("router_prob_sum", &self.router_prob_sum),
+            ("max_l2", &self.max_l2),
+        ];
+        if let Some(r) = &self.reference {
+            v.push(("reap_softmax_l2_sum", &r.reap_softmax_l2_sum));
+            v.push(("reap_softmax_l2_sq_sum", &r.reap_softmax_l2_sq_sum));
+        }
+        v
+    }
+
     pub fn new(layer: u32, n_expert: usize, n_expert_used: usize) -> Self {
         let z = vec![0.0; n_expert];
         LayerSums {
@@ -41,7 +80,47 @@ impl LayerSums {
             ean_sum: z.clone(),
             router_prob_sum: z.clone(),
             max_l2: z,
+            reference: Some(ReferenceSums::new(n_expert)),
         }
+    }
+}
+
+/// What `metadata.routing` records about the gate weights (None where absent, as in older
+/// files).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Routing {
+    /// the op of `ffn_moe_probs`: `SOFT_MAX` for a softmax router
+    pub probs_op: Option<String>,
+    /// the node the applied gates came from, e.g. `ffn_moe_weights_norm-0 (reshaped)`
+    pub weights_node: Option<String>,
+    pub normalised: Option<bool>,
+}
+
+/// Which weight the model multiplies an expert's output by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AppliedGate {
+    /// `ffn_moe_weights-N`: the router probability p itself
+    Probability,
+    /// `ffn_moe_weights_norm-N`: p / Σ over the token's picks of p
+    Normalised,
+    /// anything else (scaled, biased, another gating)
+    Other,
+}
+
+impl Routing {
+    pub fn softmax(&self) -> Option<bool> {
+        self.probs_op.as_deref().map(|op| op == "SOFT_MAX")
+    }
+
+    pub fn applied_gate(&self) -> Option<AppliedGate> {
+        // a node name, `-` and the block index, then ggml's view suffixes such as " (reshaped)"
+        let name = self.weights_node.as_deref()?.split(' ').next()?;
+        let base = name.rsplit_once('-').map_or(name, |(b, _)| b);
+        Some(match base {
+            "ffn_moe_weights" => AppliedGate::Probability,
+            "ffn_moe_weights_norm" => AppliedGate::Normalised,
+            _ => AppliedGate::Other,
+        })
     }
 }
 
@@ -57,12 +136,22 @@ pub struct Saliency {
 }
 
 impl Saliency {
+    pub fn routing(&self) -> Routing {
+        let r = self.metadata.get("routing");
+        let str_of = |k: &str| r.and_then(|r| r.get(k)).and_then(Value::as_str).map(String::from);
+        Routing {
+            probs_op: str_of("probs_op"),
+            weights_node: str_of("weights_node"),
+            normalised: r.and_then(|r| r.get("normalised")).and_then(Value::as_bool),
+        }
+    }
+
     pub fn to_json(&self) -> Value {
         let layers: Vec<Value> = self
             .layers
             .iter()
             .map(|l| {
-                json!({
+                let mut v = json!({
                     "layer": l.layer,
                     "n_expert": l.n_expert,
                     "n_expert_used": l.n_expert_used,
@@ -74,7 +163,14 @@ impl Saliency {
                     "ean_sum": l.ean_sum,
                     "router_prob_sum": l.router_prob_sum,
                     "max_l2": l.max_l2,
-                })
+                });
+                if let Some(r) = &l.reference {
+                    v["reap_softmax_l2_sum"] = json!(r.reap_softmax_l2_sum);
+                    v["reap_softmax_l2_sq_sum"] = json!(r.reap_softmax_l2_sq_sum);
+                    // null for an expert never routed
+                    v["max_activation"] = json!(r.max_activation);
+                }
+                v
             })
             .collect();
         json!({
@@ -92,7 +188,10 @@ impl Saliency {
     pub fn write(&self, path: &Path) -> Result<()> {
         for l in &self.layers {
             let all = [&l.prob_sum, &l.reap_l2_sum, &l.reap_l2_sq_sum, &l.ean_sum, &l.router_prob_sum, &l.max_l2];
-            if all.iter().any(|v| v.iter().any(|x| !x.is_finite())) {
+            let reference_finite = l.reference.as_ref().map_or(true, |r| {
+                r.reap_softmax_l2_sum.iter().chain(&r.reap_softmax_l2_sq_sum).chain(r.max_activation.iter().flatten()).all(|x| x.is_finite())
+            });
+            if all.iter().any(|v| v.iter().any(|x| !x.is_finite())) || !reference_finite {
                 bail!("saliency for layer {} holds a non-finite sum; refusing to write {}", l.layer, path.display());
             }
         }
@@ -102,6 +201,20 @@ impl Saliency {
     pub fn read(path: &Path) -> Result<Saliency> {
         let v = atomic::read_json(path, "saliency file")?;
         Self::from_json(&v).with_context(|| format!("saliency file {}", path.display()))
+    }
+
+    /// The first value no run can produce: a negative or non-finite sum (JSON cannot spell NaN,
+    /// but a hand-edited or foreign file can hold -1 or 1e308·10). `check` reports these as
+    /// failed invariants; tools that compute from the sums (select, prune) refuse the file.
+    pub fn value_problem(&self) -> Option<String> {
+        for l in &self.layers {
+            for (name, a) in l.float_arrays() {
+                if let Some((e, x)) = a.iter().enumerate().find(|(_, x)| !(x.is_finite() && **x >= 0.0)) {
+                    return Some(format!("layer {}: \"{name}\"[{e}] is {x}; sums are finite and non-negative", l.layer));
+                }
+            }
+        }
+        None
     }
 
     pub fn from_json(v: &Value) -> Result<Saliency> {
@@ -139,12 +252,26 @@ fn layer_from_json(l: &Value) -> Result<LayerSums> {
         a.iter().map(|x| x.as_f64().with_context(|| format!("\"{k}\" holds a non-number"))).collect()
     };
     let opt_floats = |k: &str| if l.get(k).is_some() { floats(k) } else { Ok(vec![0.0; n_expert]) };
+    // the reference's statistics come as a group; files from before them have none of the keys
+    let reference = if l.get("reap_softmax_l2_sum").is_some() {
+        let a = l.get("max_activation").and_then(Value::as_array).context("missing array \"max_activation\"")?;
+        if a.len() != n_expert {
+            bail!("\"max_activation\" has {} values, n_expert is {n_expert}", a.len());
+        }
+        let max_activation = a
+            .iter()
+            .map(|x| if x.is_null() { Ok(None) } else { x.as_f64().map(Some).context("\"max_activation\" holds something other than a number or null") })
+            .collect::<Result<Vec<Option<f64>>>>()?;
+        Some(ReferenceSums { reap_softmax_l2_sum: floats("reap_softmax_l2_sum")?, reap_softmax_l2_sq_sum: floats("reap_softmax_l2_sq_sum")?, max_activation })
+    } else {
+        None
+    };
     let count = {
         let a = l.get("count").and_then(Value::as_array).context("missing array \"count\"")?;
         if a.len() != n_expert {
             bail!("\"count\" has {} values, n_expert is {n_expert}", a.len());
         }
-        a.iter().map(|x| x.as_u64().context("\"count\" holds a non-integer")).collect::<Result<Vec<u64>>>()?
+        a.iter().map(|x| x.as_u64().with_context(|| format!("\"count\" holds {x}, not a non-negative integer"))).collect::<Result<Vec<u64>>>()?
     };
     Ok(LayerSums {
         layer: u("layer")? as u32,
@@ -158,6 +285,7 @@ fn layer_from_json(l: &Value) -> Result<LayerSums> {
         ean_sum: floats("ean_sum")?,
         router_prob_sum: opt_floats("router_prob_sum")?,
         max_l2: opt_floats("max_l2")?,
+        reference,
     })
 }
 
@@ -171,6 +299,9 @@ mod tests {
         l.count = vec![5, 0, 7, 2];
         l.reap_l2_sum = vec![0.1 + 0.2, 0.0, 1e-300, 123456789.123456789];
         l.reap_l2_sq_sum = vec![f64::MIN_POSITIVE, 0.0, 5e-324, 1.0 / 3.0];
+        let r = l.reference.as_mut().unwrap();
+        r.reap_softmax_l2_sum = vec![0.1 + 0.7, 0.0, 2e-300, 1.0 / 7.0];
+        r.max_activation = vec![Some(-0.5), None, Some(1e-45), Some(3.25)];
         let s = Saliency { tokens: 7, nonfinite_drops: 1, trace_tokens_written: 0, metadata: Map::new(), layers: vec![l] };
         let text = serde_json::to_string(&s.to_json()).unwrap();
         let back = Saliency::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
@@ -178,6 +309,34 @@ mod tests {
         for (a, b) in back.layers[0].reap_l2_sq_sum.iter().zip(&s.layers[0].reap_l2_sq_sum) {
             assert_eq!(a.to_bits(), b.to_bits());
         }
+    }
+
+    #[test]
+    fn files_from_before_the_reference_statistics_still_read() {
+        let mut l = LayerSums::new(0, 2, 1);
+        l.count = vec![1, 0];
+        let mut v = Saliency { layers: vec![l], ..Default::default() }.to_json();
+        assert_eq!(v["layers"][0]["max_activation"], json!([null, null]));
+        for k in ["reap_softmax_l2_sum", "reap_softmax_l2_sq_sum", "max_activation"] {
+            v["layers"][0].as_object_mut().unwrap().remove(k);
+        }
+        let old = Saliency::from_json(&v).unwrap();
+        assert_eq!(old.layers[0].reference, None);
+        // and they are written back without the keys (absent, not zero)
+        assert!(old.to_json()["layers"][0].get("reap_softmax_l2_sum").is_none());
+        // a partial group is an error that names the key
+        v["layers"][0]["reap_softmax_l2_sum"] = json!([0.0, 0.0]);
+        let e = Saliency::from_json(&v).unwrap_err();
+        assert!(format!("{e:#}").contains("max_activation"), "{e:#}");
+    }
+
+    #[test]
+    fn the_applied_gate_is_named_by_its_node() {
+        let gate = |n: &str| Routing { weights_node: Some(n.into()), ..Default::default() }.applied_gate();
+        assert_eq!(gate("ffn_moe_weights-3"), Some(AppliedGate::Probability));
+        assert_eq!(gate("ffn_moe_weights_norm-0 (reshaped)"), Some(AppliedGate::Normalised));
+        assert_eq!(gate("ffn_moe_weights_scaled-0"), Some(AppliedGate::Other));
+        assert_eq!(Routing::default().applied_gate(), None);
     }
 
     #[test]

@@ -70,19 +70,21 @@ impl TraceHeader {
         if b.len() < 64 + 4 * n_layers || header_size < 64 + 4 * n_layers {
             bail!("header says {n_layers} layers but is only {} bytes", header_size.min(b.len()));
         }
+        let (n_expert, k, top_n) = (u32_at(20), u32_at(24), u32_at(28));
+        // the shape first: the sizes below are computed from it
+        if k == 0 || top_n < k || top_n > n_expert || n_expert > u16::MAX as u32 + 1 {
+            bail!("implausible shape: n_expert {n_expert}, k {k}, top_n {top_n}");
+        }
         let h = TraceHeader {
             layers: (0..n_layers).map(|i| u32_at(64 + 4 * i)).collect(),
-            n_expert: u32_at(20),
-            k: u32_at(24),
-            top_n: u32_at(28),
+            n_expert,
+            k,
+            top_n,
             n_tokens: u64::from_le_bytes(b[32..40].try_into().unwrap()),
             flags: u32_at(40),
         };
         if h.header_size() != header_size || h.row_size() != u32_at(44) as usize {
             bail!("header sizes are inconsistent (header {header_size}, row {})", u32_at(44));
-        }
-        if h.k == 0 || h.top_n < h.k || h.top_n > h.n_expert || h.n_expert > u16::MAX as u32 + 1 {
-            bail!("implausible shape: n_expert {}, k {}, top_n {}", h.n_expert, h.k, h.top_n);
         }
         Ok(h)
     }
@@ -141,6 +143,7 @@ impl RowLayout {
 pub struct TraceFile {
     file: File,
     header: TraceHeader,
+    path: std::path::PathBuf,
 }
 
 impl TraceFile {
@@ -148,19 +151,25 @@ impl TraceFile {
         header.n_tokens = 0;
         let mut file = File::create(path).with_context(|| format!("creating trace {}", path.display()))?;
         file.write_all(&header.encode()).with_context(|| format!("writing trace {}", path.display()))?;
-        Ok(TraceFile { file, header })
+        Ok(TraceFile { file, header, path: path.to_path_buf() })
     }
 
     /// Appends `n_rows` encoded rows, then rewrites the header with the new count: a reader
     /// never sees a count that covers rows not yet on disk.
     pub fn append(&mut self, rows: &[u8], n_rows: u64) -> Result<()> {
         debug_assert_eq!(rows.len(), n_rows as usize * self.header.row_size());
-        self.file.seek(SeekFrom::End(0))?;
-        self.file.write_all(rows)?;
-        self.file.sync_data()?;
+        let r = (|| -> std::io::Result<()> {
+            self.file.seek(SeekFrom::End(0))?;
+            self.file.write_all(rows)?;
+            self.file.sync_data()?;
+            self.file.seek(SeekFrom::Start(0))?;
+            let mut h = self.header.clone();
+            h.n_tokens += n_rows;
+            self.file.write_all(&h.encode())
+        })();
+        // on failure the header on disk still counts only complete rows
+        r.with_context(|| format!("writing trace {} (its header still counts the {} rows written before)", self.path.display(), self.header.n_tokens))?;
         self.header.n_tokens += n_rows;
-        self.file.seek(SeekFrom::Start(0))?;
-        self.file.write_all(&self.header.encode())?;
         Ok(())
     }
 
@@ -185,13 +194,28 @@ impl TraceReader {
         let file = File::open(path).with_context(|| format!("trace file {}", path.display()))?;
         // SAFETY: read-only map; a concurrent writer only appends and rewrites the header.
         let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("mapping trace {}", path.display()))?;
-        let header = TraceHeader::decode(&map).with_context(|| format!("trace file {}", path.display()))?;
+        Self::from_map(map).with_context(|| format!("trace file {}", path.display()))
+    }
+
+    /// A trace held in memory (a copy of `bytes`), read exactly as a file would be.
+    pub fn from_bytes(bytes: &[u8]) -> Result<TraceReader> {
+        let mut m = memmap2::MmapMut::map_anon(bytes.len().max(1)).context("mapping memory")?;
+        m[..bytes.len()].copy_from_slice(bytes);
+        let map = m.make_read_only().context("mapping memory")?;
+        if bytes.is_empty() {
+            bail!("empty file (no REAPTRC1 magic)");
+        }
+        Self::from_map(map)
+    }
+
+    fn from_map(map: memmap2::Mmap) -> Result<TraceReader> {
+        let header = TraceHeader::decode(&map)?;
         let layout = header.layout();
         let present = (map.len().saturating_sub(header.header_size()) / layout.size) as u64;
         let (n_rows, header_count_missing) = if header.n_tokens == 0 && present > 0 {
             (present, true)
         } else if header.n_tokens > present {
-            bail!("trace file {}: header says {} rows but only {present} are present (truncated file)", path.display(), header.n_tokens);
+            bail!("header says {} rows but only {present} are present (truncated file)", header.n_tokens);
         } else {
             (header.n_tokens, false)
         };

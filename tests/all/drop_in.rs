@@ -276,7 +276,7 @@ fn non_finite_values_stop_the_run_name_the_tensor_and_keep_the_last_checkpoint()
 fn linger_shim() -> PathBuf {
     let d = temp_dir("linger-shim");
     let src = d.join("linger.c");
-    std::fs::write(&src, "#include <unistd.h>\n__attribute__((destructor)) static void linger(void) { usleep(300000); }\n").unwrap();
+    std::fs::write(&src, "#include <unistd.h>\n__attribute__((destructor)) static void linger(void) { usleep(1000000); }\n").unwrap();
     let so = d.join("linger.so");
     run_ok(Command::new("cc").args(["-shared", "-fPIC", "-o"]).arg(&so).arg(&src));
     so
@@ -316,8 +316,8 @@ fn show_statistics_prints_upstreams_tables() {
     let (ours_t, up_t) = (stats_table(&ours_lines), stats_table(&upstream));
     // everything outside the per-tensor rows (headers, the per-layer table) line for line
     assert_eq!(ours_t.other, up_t.other);
-    // the rows: the same tie groups in the same order, each group the same set of rows
-    // (upstream's order among rows with equal sort keys is unspecified)
+    // the rows: the same groups of rows with equal printed sort keys, in the same order, each
+    // the same set of rows (upstream's order among exactly equal keys is unspecified)
     assert_eq!(ours_t.groups.len(), up_t.groups.len());
     for (a, b) in ours_t.groups.iter().zip(&up_t.groups) {
         assert_eq!(a.0, b.0, "sort keys differ");
@@ -326,11 +326,8 @@ fn show_statistics_prints_upstreams_tables() {
         y.sort();
         assert_eq!(x, y, "rows of tie group {:?} differ", a.0);
     }
-    // ours among ties: by layer number, so the same file always prints the same table
-    for (_, rows) in &ours_t.groups {
-        let layers: Vec<i64> = rows.iter().map(|r| r.split('\t').next().unwrap().trim().parse().unwrap_or(-1)).collect();
-        assert!(layers.windows(2).all(|w| w[0] <= w[1]), "tie group not in layer order: {rows:?}");
-    }
+    // (our own order among exact ties, by layer number, is unit-tested in formats::imatrix_stats:
+    // the printed values cannot tell an exact tie from a near one)
     assert!(ours_t.groups.iter().map(|g| g.1.len()).sum::<usize>() > 10);
 }
 

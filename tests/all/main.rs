@@ -1,8 +1,11 @@
 //! All integration tests, in one binary (one link, shared fixtures).
 
+mod bad_input;
 mod build_steps;
 mod drop_in;
 mod eval;
+mod export;
+mod faults;
 mod fixture;
 mod manifest;
 mod replay;

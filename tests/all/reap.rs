@@ -222,6 +222,8 @@ fn independent_computation(arch: &str, normalised: bool) {
 
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
+    // the REAP reference's weighting: the softmax probability p, not the applied gate
+    let (mut reap_p, mut reap_p_sq, mut max_act) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![f64::NEG_INFINITY; n_expert]);
     for t in 0..n_ctx {
         let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
         // softmax router, top-k, renormalised or not
@@ -248,12 +250,15 @@ fn independent_computation(arch: &str, normalised: bool) {
                     a / (1.0 + (-a).exp()) * b
                 })
                 .collect();
-            let f2: f64 = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h).powi(2)).sum();
-            let norm = f2.sqrt();
+            let f: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h)).collect();
+            let norm = f.iter().map(|v| v * v).sum::<f64>().sqrt();
             count[e] += 1;
             reap[e] += g * norm;
             ean[e] += norm;
             prob[e] += g;
+            reap_p[e] += probs[e] * norm;
+            reap_p_sq[e] += (probs[e] * norm).powi(2);
+            max_act[e] = f.iter().copied().fold(max_act[e], f64::max);
         }
     }
     assert_eq!(count, lay.count);
@@ -266,5 +271,35 @@ fn independent_computation(arch: &str, normalised: bool) {
         assert!(rel(reap[e], lay.reap_l2_sum[e]) < 1e-5, "{arch} expert {e}: reap_l2_sum {} vs independent {}", lay.reap_l2_sum[e], reap[e]);
         assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "{arch} expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
         assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "{arch} expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
+    }
+
+    // the reference's statistics: Σ p·‖f‖, Σ (p·‖f‖)², the largest element of f
+    let r = lay.reference.as_ref().expect("a fresh run writes reap_softmax_l2_sum and max_activation");
+    let mut differ = 0;
+    for e in 0..n_expert {
+        if count[e] == 0 {
+            assert_eq!((r.reap_softmax_l2_sum[e], r.reap_softmax_l2_sq_sum[e], r.max_activation[e]), (0.0, 0.0, None), "{arch} dead expert {e}");
+            continue;
+        }
+        let (sum, sq) = (r.reap_softmax_l2_sum[e], r.reap_softmax_l2_sq_sum[e]);
+        assert!(rel(reap_p[e], sum) < 1e-5, "{arch} expert {e}: reap_softmax_l2_sum {sum} vs independent {}", reap_p[e]);
+        assert!(rel(reap_p_sq[e], sq) < 1e-5, "{arch} expert {e}: reap_softmax_l2_sq_sum {sq} vs independent {}", reap_p_sq[e]);
+        // an f32 element of the graph against its f64 recomputation: within 1e-5 of the
+        // output's scale (its largest norm)
+        let m = r.max_activation[e].expect("a routed expert has a max_activation");
+        assert!((m - max_act[e]).abs() <= 1e-5 * lay.max_l2[e], "{arch} expert {e}: max_activation {m} vs independent {}", max_act[e]);
+        if rel(sum, lay.reap_l2_sum[e]) > 1e-3 {
+            differ += 1;
+        }
+    }
+    let live = count.iter().filter(|&&c| c > 0).count();
+    if normalised {
+        // g = p / Σ over the picks of p: the two definitions part for most experts
+        assert!(differ * 2 > live, "{arch}: softmax and applied-gate sums differ by > 0.1% for only {differ} of {live} live experts");
+    } else {
+        // the model multiplies by p itself: the two definitions are the same numbers, bit for bit
+        assert_eq!(r.reap_softmax_l2_sum, lay.reap_l2_sum, "{arch}");
+        assert_eq!(r.reap_softmax_l2_sq_sum, lay.reap_l2_sq_sum, "{arch}");
+        assert_eq!(lay.router_prob_sum, lay.prob_sum, "{arch}");
     }
 }

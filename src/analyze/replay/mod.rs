@@ -382,20 +382,10 @@ const NONE_LIMIT: usize = engine::NONE as usize;
 
 /// The keep map's survivors as `n_layers × n_expert` flags, checked against the trace.
 fn keep_flags(path: &Path, m: &KeepMap, blocks: &[u32], ne: usize, k: usize, warnings: &mut Vec<String>) -> Result<Vec<bool>> {
-    if m.layers.len() != blocks.len() {
-        return Err(usage(format!("--keep-map {}: {} layers, the trace has {} MoE layers", path.display(), m.layers.len(), blocks.len())));
-    }
+    m.fits(blocks, ne, "the trace").map_err(|e| usage(format!("--keep-map {}: {e}", path.display())))?;
     let mut f = vec![false; blocks.len() * ne];
     for (li, (l, &b)) in m.layers.iter().zip(blocks).enumerate() {
-        if let Some(lb) = l.layer {
-            if lb != b {
-                return Err(usage(format!("--keep-map {}: entry {li} is block {lb}, the trace's is block {b}", path.display())));
-            }
-        }
         for &e in &l.keep {
-            if e as usize >= ne {
-                return Err(usage(format!("--keep-map {}: block {b} keeps expert {e}, the trace has {ne} experts", path.display())));
-            }
             f[li * ne + e as usize] = true;
         }
         if l.keep.len() < k {

@@ -69,6 +69,24 @@ impl KeepMap {
         Self::from_json(&v).with_context(|| format!("keep map {}", path.display()))
     }
 
+    /// Whether the map is for a model (or trace) whose MoE layers are `blocks` with `n_expert`
+    /// experts each; `what` names that other side in the message ("the trace", "MODEL").
+    /// A map for another model fails here, before anything is computed.
+    pub fn fits(&self, blocks: &[u32], n_expert: usize, what: &str) -> std::result::Result<(), String> {
+        if self.layers.len() != blocks.len() {
+            return Err(format!("{} layers, {what} has {} MoE layers (a keep map for another model?)", self.layers.len(), blocks.len()));
+        }
+        for (li, (l, &b)) in self.layers.iter().zip(blocks).enumerate() {
+            if let Some(lb) = l.layer.filter(|&lb| lb != b) {
+                return Err(format!("entry {li} is block {lb}, {what}'s is block {b} (a keep map for another model?)"));
+            }
+            if let Some(e) = l.keep.iter().find(|&&e| e as usize >= n_expert) {
+                return Err(format!("block {b} keeps expert {e}, {what} has {n_expert} experts (a keep map for another model?)"));
+            }
+        }
+        Ok(())
+    }
+
     pub fn from_json(v: &Value) -> Result<KeepMap> {
         if let Some(f) = v.get("format") {
             if f.as_str() != Some(FORMAT) {

@@ -25,7 +25,8 @@ pub enum PriorArg {
 }
 
 #[derive(clap::Args, Debug)]
-#[command(after_help = "Methods: frequency, reap_mean, reap_l2_sum, ean_sum, reap_shrink, reap_hybrid (formulas in docs/select.md).\n\
+#[command(after_help = "Methods: frequency, reap_mean, reap_l2_sum, ean_sum, reap_shrink, reap_hybrid, reap_softmax_mean, reap_softmax_l2_sum\n\
+(formulas in docs/select.md).\n\
 Writes DIR/keep_<method>_k<K>.json per method and K, and DIR/select_report.json; prints the report.")]
 pub struct SelectArgs {
     /// Saliency JSON (--reap-out of a calibration run)
@@ -125,10 +126,22 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
     if sal.layers.is_empty() {
         return Err(usage(format!("--reap {}: no MoE layers", args.reap.display())));
     }
+    if let Some(why) = sal.value_problem() {
+        return Err(usage(format!("--reap {}: {why}", args.reap.display())));
+    }
     let mut methods: Vec<Method> = Vec::new();
     for m in &args.methods {
         if !methods.contains(m) {
             methods.push(*m);
+        }
+    }
+    if let Some(m) = methods.iter().find(|m| m.uses_reference()) {
+        if sal.layers.iter().any(|l| l.reference.is_none()) {
+            return Err(usage(format!(
+                "--method {}: {} has no reap_softmax_l2_sum (written before reap-imatrix collected it); calibrate again to use it",
+                m.name(),
+                args.reap.display()
+            )));
         }
     }
     let mut ks = args.ks.clone();
@@ -276,6 +289,9 @@ fn method_parameters(m: Method, p: &Params, sal: &Saliency) -> Value {
             }
         }
     }
+    if m.uses_reference() {
+        v["gate"] = json!("p: the router's softmax probability over all experts, before top-k normalisation");
+    }
     if m == Method::ReapHybrid {
         v["combination"] = json!("mean of the reap_l2_sum and reap_shrink ranks (ties share the average rank)");
     }
@@ -295,6 +311,9 @@ fn build_report(
     trace: Option<&TraceReader>,
 ) -> (String, Value) {
     let mut t = String::new();
+    // column widths that fit the longest method name
+    let w = methods.iter().map(|m| m.name().len()).max().unwrap_or(0).max(12);
+    let cw = (w + 1).max(16);
     let n_expert: Vec<usize> = sal.layers.iter().map(|l| l.n_expert).collect();
     let dead: Vec<(u32, Vec<usize>)> = sal
         .layers
@@ -338,7 +357,7 @@ fn build_report(
     for (ki, &k) in ks.iter().enumerate() {
         let _ = writeln!(t, "\nK = {k}");
         let mut hdr = format!(
-            "{:<12} {:>10} {:>14} {:>10} {:>9} {:>9} {:>9}",
+            "{:<w$} {:>10} {:>14} {:>10} {:>9} {:>9} {:>9}",
             "method", "slot repl", "worst (layer)", "count kept", "l2 kept", "min count", "dead kept"
         );
         if screened.is_some() {
@@ -358,7 +377,7 @@ fn build_report(
             let min_count = layers.iter().map(|s| s.min_kept_count).min().unwrap_or(0);
             let dead_kept: usize = layers.iter().map(|s| s.dead_kept).sum();
             let mut line = format!(
-                "{:<12} {:>10} {:>14} {:>10} {:>9} {:>9} {:>9}",
+                "{:<w$} {:>10} {:>14} {:>10} {:>9} {:>9} {:>9}",
                 m.name(),
                 pct(mean_repl),
                 format!("{} (L{})", pct(worst), layers[worst_i].layer),
@@ -435,13 +454,13 @@ fn build_report(
     if methods.len() > 1 {
         for (ki, &k) in ks.iter().enumerate() {
             let _ = writeln!(t, "\noverlap at K = {k}: experts kept by both, mean over layers [min]");
-            let mut hdr = format!("{:<12}", "");
+            let mut hdr = format!("{:<w$}", "");
             for m in methods {
-                hdr += &format!(" {:>16}", m.name());
+                hdr += &format!(" {:>cw$}", m.name());
             }
             let _ = writeln!(t, "{hdr}");
             for (a, &ma) in methods.iter().enumerate() {
-                let mut line = format!("{:<12}", ma.name());
+                let mut line = format!("{:<w$}", ma.name());
                 for (b, &mb) in methods.iter().enumerate() {
                     let per: Vec<usize> = sets[a][ki]
                         .iter()
@@ -450,7 +469,7 @@ fn build_report(
                         .collect();
                     let mean = per.iter().sum::<usize>() as f64 / per.len() as f64;
                     let min = per.iter().copied().min().unwrap_or(0);
-                    line += &format!(" {:>16}", format!("{mean:.1} [{min}]"));
+                    line += &format!(" {:>cw$}", format!("{mean:.1} [{min}]"));
                     if a < b {
                         overlap_json.push(json!({"k": k, "a": ma.name(), "b": mb.name(), "mean": mean, "min": min, "layers": per}));
                     }

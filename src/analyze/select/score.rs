@@ -23,6 +23,13 @@ pub enum Method {
     /// average of the reap_l2_sum and reap_shrink ranks
     #[value(name = "reap_hybrid")]
     ReapHybrid,
+    /// reap_softmax_l2_sum / count: REAP weighted by the router's softmax probability (what
+    /// CerebrasResearch/reap computes by default); 0 for count 0
+    #[value(name = "reap_softmax_mean")]
+    ReapSoftmaxMean,
+    /// Σ p·‖f‖
+    #[value(name = "reap_softmax_l2_sum")]
+    ReapSoftmaxL2Sum,
 }
 
 impl Method {
@@ -34,7 +41,13 @@ impl Method {
             Method::EanSum => "ean_sum",
             Method::ReapShrink => "reap_shrink",
             Method::ReapHybrid => "reap_hybrid",
+            Method::ReapSoftmaxMean => "reap_softmax_mean",
+            Method::ReapSoftmaxL2Sum => "reap_softmax_l2_sum",
         }
+    }
+    /// Whether the method reads the REAP reference's statistics (absent from older files).
+    pub fn uses_reference(self) -> bool {
+        matches!(self, Method::ReapSoftmaxMean | Method::ReapSoftmaxL2Sum)
     }
     /// Whether the method's scores depend on --prior, --z, --shrink-m.
     pub fn uses_prior(self) -> bool {
@@ -73,7 +86,18 @@ pub fn median(mut v: Vec<f64>) -> Option<f64> {
 }
 
 fn means(l: &LayerSums) -> Vec<f64> {
-    (0..l.n_expert).map(|i| if l.count[i] > 0 { l.reap_l2_sum[i] / l.count[i] as f64 } else { 0.0 }).collect()
+    per_count(l, &l.reap_l2_sum)
+}
+
+/// `sum / count` per expert, 0 where count is 0.
+fn per_count(l: &LayerSums, sum: &[f64]) -> Vec<f64> {
+    (0..l.n_expert).map(|i| if l.count[i] > 0 { sum[i] / l.count[i] as f64 } else { 0.0 }).collect()
+}
+
+/// The softmax-weighted sums; a file without them gets zeros here (`select` refuses such a
+/// file for these methods before scoring).
+fn softmax_sums(l: &LayerSums) -> Vec<f64> {
+    l.reference.as_ref().map_or_else(|| vec![0.0; l.n_expert], |r| r.reap_softmax_l2_sum.clone())
 }
 
 /// The pseudo-count the shrink uses in this layer.
@@ -167,6 +191,8 @@ pub fn scores(l: &LayerSums, method: Method, p: &Params) -> Vec<f64> {
             let b = average_ranks(&shrink_scores(l, p));
             a.iter().zip(&b).map(|(x, y)| -(x + y) / 2.0).collect()
         }
+        Method::ReapSoftmaxMean => per_count(l, &softmax_sums(l)),
+        Method::ReapSoftmaxL2Sum => softmax_sums(l),
     }
 }
 
@@ -260,7 +286,7 @@ mod tests {
 
         // and with the ranking's tiers no method, whatever the prior, keeps one while a live one is out
         for prior in [Prior::Median, Prior::Lcb { z: 1.0 }, Prior::CountWeightedMean] {
-            for m in [Method::Frequency, Method::ReapMean, Method::ReapL2Sum, Method::EanSum, Method::ReapShrink, Method::ReapHybrid] {
+            for m in <Method as clap::ValueEnum>::value_variants().iter().copied() {
                 for k in [4, 16, 28, 29, 30, 32] {
                     let s = scores(&l, m, &params(prior));
                     let keep = keep_set(&order(&l, &s, 0), k);
@@ -269,6 +295,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn softmax_methods_read_the_softmax_sums() {
+        let mut l = LayerSums::new(0, 3, 1);
+        l.count = vec![4, 1, 0];
+        l.reap_l2_sum = vec![8.0, 5.0, 0.0];
+        l.reference.as_mut().unwrap().reap_softmax_l2_sum = vec![2.0, 3.0, 0.0];
+        let p = params(Prior::Median);
+        assert_eq!(scores(&l, Method::ReapSoftmaxL2Sum, &p), vec![2.0, 3.0, 0.0]);
+        assert_eq!(scores(&l, Method::ReapSoftmaxMean, &p), vec![0.5, 3.0, 0.0]);
+        // the applied-gate sum ranks the two live experts the other way round
+        assert_eq!(order(&l, &scores(&l, Method::ReapSoftmaxL2Sum, &p), 0), vec![1, 0, 2]);
+        assert_eq!(order(&l, &scores(&l, Method::ReapL2Sum, &p), 0), vec![0, 1, 2]);
     }
 
     #[test]

@@ -1,0 +1,227 @@
+//! Everything about a calibration run that can be wrong before the model is loaded: the flags,
+//! the model's header, the corpus, `--in-file` shapes, the `--rpc` servers, and outputs that
+//! would overwrite an input. Each check fails with a [UsageError] (exit 2) naming the flag or
+//! file and what is wrong, so a mistake costs a second, not a model load (docs/failures.md).
+//!
+//! The corpus and RPC checks are written for any tool that takes `-f` or `--rpc` (eval,
+//! corpus); the model's own checks live in [crate::formats::gguf_header].
+
+use crate::error::UsageError;
+use crate::formats::gguf_header::ModelHeader;
+use crate::formats::imatrix::Entry;
+use anyhow::{anyhow, bail, Result};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+fn usage(msg: String) -> anyhow::Error {
+    anyhow!(UsageError(msg))
+}
+
+/// The calibration run's checks, in order, before anything is loaded: flags, the model's
+/// header, flags against the model, outputs against inputs, the corpus, the RPC servers. A
+/// dense model turns REAP off here, with its one-line notice. Returns the model path, its
+/// header and the corpus bytes (None in combine-only mode).
+pub fn before_loading(plan: &mut super::Plan) -> Result<(PathBuf, ModelHeader, Option<Vec<u8>>)> {
+    flags(&plan.args)?;
+    let model = plan.args.model.clone().ok_or_else(|| usage("-m/--model is required".into()))?;
+    let header = crate::formats::gguf_header::read_model("-m", &model)?;
+    against_model(&plan.args, &model, &header)?;
+    let mut inputs = vec![("-m", model.clone())];
+    inputs.extend(plan.args.file.iter().map(|f| ("-f", f.clone())));
+    inputs.extend(plan.in_files.iter().map(|f| ("--in-file", f.clone())));
+    outputs_are_not_inputs(&plan.outputs(), &inputs)?;
+    let text = match &plan.args.file {
+        Some(f) => Some(corpus("-f", f, plan.n_ctx as usize, plan.args.chunk.max(0) as usize)?),
+        None => None,
+    };
+    if let Some(servers) = &plan.args.rpc {
+        rpc_servers(servers)?;
+    }
+    if !header.is_moe() && plan.reap_out.is_some() {
+        eprintln!(
+            "notice: {} is a dense model ({}, no experts): imatrix only, no saliency JSON or routing trace",
+            model.display(),
+            header.arch
+        );
+        plan.reap_out = None;
+        plan.args.trace_out = None;
+    }
+    Ok((model, header, text))
+}
+
+/// Flags whose values are wrong on their own (no file needed).
+pub fn flags(a: &super::args::ImatrixArgs) -> Result<()> {
+    if a.chunks == 0 {
+        bail!(UsageError("--chunks 0: nothing to compute (give a positive number, or -1 for all chunks)".into()));
+    }
+    if a.batch_size <= 0 {
+        bail!(UsageError(format!("-b {}: the batch size must be at least 1", a.batch_size)));
+    }
+    if a.ubatch_size <= 0 {
+        bail!(UsageError(format!("-ub {}: the micro-batch size must be at least 1", a.ubatch_size)));
+    }
+    if a.chunk < 0 {
+        bail!(UsageError(format!("--chunk {}: must be 0 or more", a.chunk)));
+    }
+    Ok(())
+}
+
+/// The flags that depend on the model: `--trace-top-n` at most n_expert.
+pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader) -> Result<()> {
+    if let Some(n) = a.trace_top_n {
+        if h.is_moe() && n > h.n_expert as usize {
+            bail!(UsageError(format!(
+                "--trace-top-n {n}: more than the {} experts per layer of {} (at most {})",
+                h.n_expert,
+                model.display(),
+                h.n_expert
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The corpus as upstream reads `-f` (bytes, one trailing newline removed), refused when it is
+/// missing, empty, not UTF-8 (with the byte offset and line of the first bad byte), or too
+/// short to hold two contexts even at one token per byte (a token covers at least one byte;
+/// BOS adds one). The exact token count is checked again after tokenising.
+pub fn corpus(flag: &str, path: &Path, n_ctx: usize, skip_chunks: usize) -> Result<Vec<u8>> {
+    let what = |m: String| usage(format!("{flag} {}: {m}", path.display()));
+    if path.is_dir() {
+        return Err(what("is a folder, not a text file".into()));
+    }
+    let mut text = std::fs::read(path).map_err(|e| what(format!("cannot read the calibration text: {e}")))?;
+    if text.last() == Some(&b'\n') {
+        text.pop();
+    }
+    if text.is_empty() {
+        return Err(what("the calibration text is empty".into()));
+    }
+    if let Err(e) = std::str::from_utf8(&text) {
+        let at = e.valid_up_to();
+        let line = 1 + text[..at].iter().filter(|&&b| b == b'\n').count();
+        return Err(what(format!(
+            "not valid UTF-8: byte offset {at} (line {line}) holds 0x{:02x}; llama.cpp's tokenizer would silently replace it with U+FFFD. Convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+            text[at]
+        )));
+    }
+    let need = (skip_chunks + 2) * n_ctx;
+    if text.len() + 1 < need {
+        return Err(what(format!(
+            "you need at least {need} tokens for a context of {n_ctx} tokens{}; the file has only {} bytes, so at most {} tokens (use a longer text or a smaller -c)",
+            if skip_chunks > 0 { format!(" after skipping {skip_chunks} chunks (--chunk)") } else { String::new() },
+            text.len(),
+            text.len() + 1,
+        )));
+    }
+    Ok(text)
+}
+
+/// Every `--in-file` entry must be a tensor of the model with the same shape: an imatrix of
+/// another model is refused before anything is computed.
+pub fn in_file_matches_model(in_file: &Path, entries: &std::collections::BTreeMap<String, Entry>, model: &Path, h: &ModelHeader) -> Result<()> {
+    for (name, e) in entries {
+        let Some(ne) = h.tensors.get(name) else {
+            bail!(UsageError(format!(
+                "--in-file {}: it has data for {name}, which {} does not have (an imatrix of another model?)",
+                in_file.display(),
+                model.display()
+            )));
+        };
+        // an imatrix entry holds ne[0] sums per matrix and one count per matrix (ne[2] experts)
+        let (n_in, n_mat) = (ne[0].max(0) as usize, ne[2].max(1) as usize);
+        // (a legacy .dat entry holds one count for all its matrices)
+        let counts_ok = e.counts.len() == n_mat || e.counts.len() == 1;
+        if e.sums.len() != n_in * n_mat || !counts_ok {
+            bail!(UsageError(format!(
+                "--in-file {}: {name} has {} values ({} counts), but in {} it is {:?} (expects {} values, {n_mat} counts): an imatrix of another model?",
+                in_file.display(),
+                e.sums.len(),
+                e.counts.len(),
+                model.display(),
+                &ne[..3],
+                n_in * n_mat
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `--rpc host:port[,…]`: each server must accept a TCP connection within a short timeout,
+/// checked before the model is loaded (llama.cpp would fail only when it tries to use it).
+pub fn rpc_servers(servers: &str) -> Result<()> {
+    for s in servers.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let addrs: Vec<SocketAddr> = s
+            .to_socket_addrs()
+            .map_err(|e| usage(format!("--rpc {s}: not a reachable HOST:PORT ({e})")))?
+            .collect();
+        let timeout = Duration::from_secs(3);
+        let mut last = None;
+        if !addrs.iter().any(|a| match TcpStream::connect_timeout(a, timeout) {
+            Ok(_) => true,
+            Err(e) => {
+                last = Some(e);
+                false
+            }
+        }) {
+            let why = last.map_or("no address".to_string(), |e| e.to_string());
+            bail!(UsageError(format!("--rpc {s}: RPC server unreachable ({why}); start ggml-rpc-server there or fix the address")));
+        }
+    }
+    Ok(())
+}
+
+/// No output may be one of the inputs: `-o model.gguf` would replace the model.
+pub fn outputs_are_not_inputs(outputs: &[(&'static str, PathBuf)], inputs: &[(&'static str, PathBuf)]) -> Result<()> {
+    for (oflag, o) in outputs {
+        for (iflag, i) in inputs {
+            if same_existing_file(o, i) {
+                bail!(UsageError(format!("{oflag} {} is the {iflag} input: it would be overwritten", o.display())));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn same_existing_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str, bytes: &[u8]) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("reap-validate-{}-{name}", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    #[test]
+    fn corpus_errors_say_what_and_where() {
+        let err = |b: &[u8], n_ctx| format!("{:#}", corpus("-f", &tmp("c", b), n_ctx, 0).unwrap_err());
+        assert!(err(b"", 4).contains("empty"));
+        assert!(err(b"\n", 4).contains("empty"));
+        let e = err(b"ab\ncd\xffef", 2);
+        assert!(e.contains("byte offset 5 (line 2)") && e.contains("0xff"), "{e}");
+        let e = err(b"abcdef", 4);
+        assert!(e.contains("only 6 bytes, so at most 7 tokens") && e.contains("at least 8 tokens"), "{e}");
+        assert_eq!(corpus("-f", &tmp("ok", b"abcdefg\n"), 4, 0).unwrap(), b"abcdefg");
+        let e = format!("{:#}", corpus("-f", &tmp("skip", b"abcdefghij"), 4, 1).unwrap_err());
+        assert!(e.contains("after skipping 1 chunks"), "{e}");
+    }
+
+    #[test]
+    fn an_unreachable_rpc_server_is_named() {
+        // a port that was free a moment ago: nothing listens there
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let e = format!("{:#}", rpc_servers(&format!("127.0.0.1:{port}")).unwrap_err());
+        assert!(e.contains(&format!("127.0.0.1:{port}")) && e.contains("unreachable"), "{e}");
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        rpc_servers(&l.local_addr().unwrap().to_string()).unwrap();
+    }
+}

@@ -1,0 +1,197 @@
+//! A model GGUF's header, read before llama.cpp loads anything: the checks that turn a wrong
+//! `-m` into a one-second error (missing, a folder, not GGUF, truncated, an architecture the
+//! pin does not know) and the facts the flags are checked against (expert count, tensor
+//! shapes). Shared by every tool that takes a model (calibration, prune, eval, corpus).
+//!
+//! The header is parsed by ggml's own `gguf_init_from_file` (metadata only, `no_alloc`), so
+//! it reads exactly what llama.cpp will read; the data section's length is checked here.
+
+use crate::error::UsageError;
+use crate::llama::sys;
+use anyhow::{anyhow, Result};
+use std::collections::BTreeMap;
+use std::ffi::{CStr, CString};
+use std::io::Read;
+use std::path::Path;
+
+/// `general.architecture` values the pinned llama.cpp knows (`LLM_ARCH_NAMES` in
+/// src/llama-arch.cpp at the pin; a unit test compares this list with the pinned tree).
+pub const KNOWN_ARCHS: &[&str] = &[
+    "clip", "llama", "llama4", "deci", "falcon", "grok", "gpt2", "gptj", "gptneox", "mpt", "baichuan", 
+    "starcoder", "refact", "bert", "modern-bert", "nomic-bert", "nomic-bert-moe", "neo-bert", 
+    "jina-bert-v2", "jina-bert-v3", "eurobert", "bloom", "stablelm", "qwen", "qwen2", "qwen2moe", 
+    "qwen2vl", "qwen3", "qwen3moe", "qwen3next", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", 
+    "qwen4exp", "phi2", "phi3", "phimoe", "plamo", "plamo2", "plamo3", "codeshell", "orion", 
+    "internlm2", "minicpm", "minicpm3", "gemma", "gemma2", "gemma3", "gemma3n", "gemma4", 
+    "gemma4-assistant", "gemma-embedding", "starcoder2", "mamba", "mamba2", "maple", "jamba", 
+    "falcon-h1", "xverse", "command-r", "cohere2", "cohere2moe", "dbrx", "olmo", "olmo2", "olmoe", 
+    "muse-glimmer", "openelm", "arctic", "deepseek", "deepseek2", "deepseek2-ocr", "deepseek32", 
+    "deepseek4", "chatglm", "glm4", "glm4moe", "glm-dsa", "bitnet", "t5", "t5encoder", "jais", "jais2", 
+    "nemotron", "nemotron_h", "nemotron_h_moe", "exaone", "exaone4", "exaone-moe", "rwkv6", 
+    "rwkv6qwen2", "rwkv7", "arwkv7", "granite", "granitemoe", "granitehybrid", "graniteswitch", 
+    "granite_swa", "chameleon", "wavtokenizer-dec", "plm", "bailingmoe", "bailingmoe2", "bailingmoe3", 
+    "dots1", "dots3note", "arcee", "afmoe", "laguna", "ernie4_5", "ernie4_5-moe", "hunyuan-moe", 
+    "hunyuan-dense", "hunyuan_vl", "hy_v3", "hy_v4", "smollm3", "gpt-oss", "lfm2", "lfm2moe", "dream", 
+    "smallthinker", "llada", "llada-moe", "seed_oss", "grovemoe", "apertus", "minimax-01", "hrm_text", 
+    "minimax-m2", "minimax-m3", "cogvlm", "rnd1", "pangu-embedded", "mistral3", "eagle3", "dflash", 
+    "mistral4", "paddleocr", "mimo2", "step35", "spark2_5", "llama-embed", "maincoder", "kimi-linear", 
+    "kimi-k3", "glm5-next", "talkie", "mellum", "nanbeige", "qwen3tts", "pockettts", 
+];
+
+/// What the checks need from a model's header.
+#[derive(Clone, Debug, Default)]
+pub struct ModelHeader {
+    pub arch: String,
+    /// `<arch>.expert_count`; 0 or absent: a dense model
+    pub n_expert: u32,
+    /// `<arch>.expert_used_count`
+    pub n_expert_used: u32,
+    /// tensor name → ne (ggml order, unused dimensions 1)
+    pub tensors: BTreeMap<String, [i64; 4]>,
+}
+
+impl ModelHeader {
+    pub fn is_moe(&self) -> bool {
+        self.n_expert > 0
+    }
+}
+
+fn bad(flag: &str, path: &Path, what: impl std::fmt::Display) -> anyhow::Error {
+    anyhow!(UsageError(format!("{flag} {}: {what}", path.display())))
+}
+
+/// Reads and checks the header of the model `path` given by `flag` (`-m`, `--base`, …).
+/// Every error is a [UsageError] naming the flag, the file and what is wrong.
+pub fn read_model(flag: &str, path: &Path) -> Result<ModelHeader> {
+    let meta = std::fs::metadata(path).map_err(|e| bad(flag, path, format!("cannot read the model file: {e}")))?;
+    if meta.is_dir() {
+        return Err(bad(flag, path, "is a folder, not a model file"));
+    }
+    let mut magic = [0u8; 4];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| f.read(&mut magic))
+        .map_err(|e| bad(flag, path, format!("cannot read the model file: {e}")))?;
+    if n < 4 || &magic != b"GGUF" {
+        return Err(bad(flag, path, "not a GGUF file (it does not start with the GGUF magic)"));
+    }
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| bad(flag, path, "the path holds a NUL byte"))?;
+    // SAFETY: valid C string; no_alloc reads the header and tensor infos only.
+    let g = unsafe { sys::gguf_init_from_file(c.as_ptr(), sys::gguf_init_params { no_alloc: true, ctx: std::ptr::null_mut() }) };
+    if g.is_null() {
+        return Err(bad(flag, path, "the GGUF header cannot be read (truncated or corrupt file)"));
+    }
+    struct Owned(*mut sys::gguf_context);
+    impl Drop for Owned {
+        fn drop(&mut self) {
+            // SAFETY: created above, freed once.
+            unsafe { sys::gguf_free(self.0) }
+        }
+    }
+    let g = Owned(g);
+    let mut h = ModelHeader::default();
+    // SAFETY: g is live; every string is copied out before it is freed; ids come from gguf.
+    unsafe {
+        let str_kv = |k: &str| -> Option<String> {
+            let id = sys::gguf_find_key(g.0, CString::new(k).ok()?.as_ptr());
+            (id >= 0 && sys::gguf_get_kv_type(g.0, id) == sys::GGUF_TYPE_STRING)
+                .then(|| CStr::from_ptr(sys::gguf_get_val_str(g.0, id)).to_string_lossy().into_owned())
+        };
+        let int_kv = |k: &str| -> Option<u64> {
+            let id = sys::gguf_find_key(g.0, CString::new(k).ok()?.as_ptr());
+            if id < 0 {
+                return None;
+            }
+            match sys::gguf_get_kv_type(g.0, id) {
+                sys::GGUF_TYPE_UINT32 => Some(sys::gguf_get_val_u32(g.0, id) as u64),
+                sys::GGUF_TYPE_INT32 => u64::try_from(sys::gguf_get_val_i32(g.0, id)).ok(),
+                sys::GGUF_TYPE_UINT64 => Some(sys::gguf_get_val_u64(g.0, id)),
+                sys::GGUF_TYPE_UINT16 => Some(sys::gguf_get_val_u16(g.0, id) as u64),
+                _ => None,
+            }
+        };
+        h.arch = str_kv("general.architecture").ok_or_else(|| bad(flag, path, "no general.architecture in its header"))?;
+        h.n_expert = int_kv(&format!("{}.expert_count", h.arch)).unwrap_or(0).min(u32::MAX as u64) as u32;
+        h.n_expert_used = int_kv(&format!("{}.expert_used_count", h.arch)).unwrap_or(0).min(u32::MAX as u64) as u32;
+        for i in 0..sys::gguf_get_n_tensors(g.0) {
+            let name = CStr::from_ptr(sys::gguf_get_tensor_name(g.0, i)).to_string_lossy().into_owned();
+            let ne = std::slice::from_raw_parts(sys::gguf_get_tensor_ne(g.0, i), 4);
+            h.tensors.insert(name, [ne[0], ne[1], ne[2], ne[3]]);
+        }
+        let data_end = data_end(g.0);
+        if data_end > meta.len() {
+            return Err(bad(
+                flag,
+                path,
+                format!("truncated: its tensors need {data_end} bytes but the file has {} (an interrupted download or copy?)", meta.len()),
+            ));
+        }
+    }
+    if !KNOWN_ARCHS.contains(&h.arch.as_str()) {
+        return Err(bad(
+            flag,
+            path,
+            format!("architecture '{}' is not known to the pinned llama.cpp ({}), so it cannot load this model", h.arch, crate::llama::PIN_COMMIT),
+        ));
+    }
+    Ok(h)
+}
+
+/// Where the last tensor's data ends.
+///
+/// # Safety
+/// `g` is a live gguf context.
+unsafe fn data_end(g: *mut sys::gguf_context) -> u64 {
+    let start = sys::gguf_get_data_offset(g) as u64;
+    (0..sys::gguf_get_n_tensors(g))
+        .map(|i| start + sys::gguf_get_tensor_offset(g, i) as u64 + sys::gguf_get_tensor_size(g, i) as u64)
+        .max()
+        .unwrap_or(start)
+}
+
+/// Checks a GGUF file just written: its header reads back and the file holds all its tensor
+/// data. `gguf_write_to_file` ignores the result of its final `fclose`, so a disk that fills
+/// during the last buffered write would otherwise leave a short file that looks written.
+pub fn check_written(path: &Path) -> Result<()> {
+    check_complete(path).map_err(|e| anyhow!("{}: written incompletely ({e}; disk full?)", path.display()))
+}
+
+/// Checks, reading the header only, that a GGUF file holds all the tensor data its header
+/// describes. Run before `gguf_init_from_file` with data: ggml allocates what the header says,
+/// so a damaged size field would otherwise ask for gigabytes and abort the process.
+pub fn check_complete(path: &Path) -> std::result::Result<(), String> {
+    let len = std::fs::metadata(path).map_err(|e| e.to_string())?.len();
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| "NUL in path".to_string())?;
+    // SAFETY: valid C string; metadata only; freed below.
+    unsafe {
+        let g = sys::gguf_init_from_file(c.as_ptr(), sys::gguf_init_params { no_alloc: true, ctx: std::ptr::null_mut() });
+        if g.is_null() {
+            return Err("the GGUF header does not read".into());
+        }
+        let end = data_end(g);
+        sys::gguf_free(g);
+        if end > len {
+            return Err(format!("the header describes {end} bytes, the file has {len}"));
+        }
+    }
+    Ok(())
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The list is the pin's: compare with src/llama-arch.cpp of the pinned tree when it is here.
+    #[test]
+    fn known_archs_are_the_pins() {
+        let src = crate::fixture::pinned_tree().join("src/llama-arch.cpp");
+        let Ok(text) = std::fs::read_to_string(&src) else {
+            eprintln!("skipping: {} not present", src.display());
+            return;
+        };
+        let start = text.find("LLM_ARCH_NAMES = {").expect("LLM_ARCH_NAMES");
+        let body = &text[start..start + text[start..].find("\n};").unwrap()];
+        let names: Vec<&str> = body.lines().filter_map(|l| l.split('"').nth(1)).filter(|n| *n != "(unknown)").collect();
+        assert_eq!(names, KNOWN_ARCHS);
+    }
+}

@@ -1,0 +1,326 @@
+//! Bad input, one case at a time (docs/failures.md): each is refused with exit 2 and a message
+//! naming the file or flag and what is wrong, and, where it can be, before llama.cpp loads the
+//! model (runs use `-v`, which shows llama.cpp's `llama_model_loader` lines when it loads).
+
+use super::util::*;
+use reap_imatrix::formats::trace::TraceReader;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn calibrate_in(d: &Path, model: &Path, args: &[&str]) -> Output {
+    run(Command::new(ours()).current_dir(d).arg("-m").arg(model).args(["-v", "-t", "2", "--no-ppl"]).args(args))
+}
+
+/// Exit 2, stderr mentions every `needles`, and llama.cpp never started loading the model.
+fn refused_early(out: &Output, needles: &[&str]) -> String {
+    let err = refused(out, needles);
+    assert!(!err.contains("llama_model_loader") && !err.contains("compute_imatrix"), "refused only after loading:\n{err}");
+    err
+}
+
+fn refused(out: &Output, needles: &[&str]) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "expected exit 2:\n{err}");
+    for n in needles {
+        assert!(err.contains(n), "stderr lacks {n:?}:\n{err}");
+    }
+    err
+}
+
+// ---- the model
+
+#[test]
+fn model_missing_folder_not_gguf_truncated_unknown_arch() {
+    let d = temp_dir("bad-model");
+    let c = corpus().to_string_lossy().into_owned();
+    let f = ["-f", c.as_str()];
+    refused_early(&calibrate_in(&d, Path::new("nope.gguf"), &f), &["-m nope.gguf", "cannot read the model file"]);
+    std::fs::create_dir_all(d.join("adir")).unwrap();
+    refused_early(&calibrate_in(&d, &d.join("adir"), &f), &["adir", "is a folder"]);
+    std::fs::write(d.join("text.gguf"), "hello, not a model").unwrap();
+    refused_early(&calibrate_in(&d, &d.join("text.gguf"), &f), &["text.gguf", "not a GGUF file"]);
+    let model = read(&fixture("qwen3moe"));
+    std::fs::write(d.join("half.gguf"), &model[..model.len() / 2]).unwrap();
+    refused_early(&calibrate_in(&d, &d.join("half.gguf"), &f), &["half.gguf", "truncated", &format!("the file has {}", model.len() / 2)]);
+    std::fs::write(d.join("head.gguf"), &model[..200]).unwrap();
+    refused_early(&calibrate_in(&d, &d.join("head.gguf"), &f), &["head.gguf", "header cannot be read"]);
+    // the architecture renamed everywhere (same length, so the file stays consistent)
+    let renamed = replace_all(&model, b"qwen3moe", b"qwen9moe");
+    std::fs::write(d.join("alien.gguf"), renamed).unwrap();
+    refused_early(&calibrate_in(&d, &d.join("alien.gguf"), &f), &["alien.gguf", "architecture 'qwen9moe' is not known"]);
+}
+
+fn replace_all(b: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+    let mut out = b.to_vec();
+    let mut i = 0;
+    let mut n = 0;
+    while i + from.len() <= out.len() {
+        if &out[i..i + from.len()] == from {
+            out[i..i + from.len()].copy_from_slice(to);
+            n += 1;
+        }
+        i += 1;
+    }
+    assert!(n > 1, "{n} replacements");
+    out
+}
+
+fn dense_fixture() -> PathBuf {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let d = temp_dir("dense-fixture");
+        let p = d.join("dense.gguf");
+        run_ok(Command::new(ours()).args(["fixture", "--dense", "-o"]).arg(&p));
+        p
+    })
+    .clone()
+}
+
+#[test]
+fn a_dense_model_gets_the_imatrix_only_with_one_notice_and_upstreams_bytes() {
+    let model = dense_fixture();
+    let (od, rd) = (temp_dir("dense-ours"), temp_dir("dense-ref"));
+    let args = ["-f", &corpus().to_string_lossy(), "-c", "128", "-b", "128", "--chunks", "3", "--no-ppl", "-t", "2", "-o", "i.gguf"].map(String::from);
+    let out = run_ok(Command::new(ours()).current_dir(&od).arg("-m").arg(&model).args(&args).args(["--trace-out", "t.bin"]));
+    run_ok(Command::new(reference_bin("llama-imatrix")).current_dir(&rd).arg("-m").arg(&model).args(&args));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let notices: Vec<&str> = err.lines().filter(|l| l.contains("dense model")).collect();
+    assert_eq!(notices.len(), 1, "{err}");
+    assert!(notices[0].starts_with("notice: ") && notices[0].contains("imatrix only"), "{err}");
+    assert!(!od.join("i.reap.json").exists() && !od.join("t.bin").exists());
+    assert_same_bytes(&od.join("i.gguf"), &rd.join("i.gguf"));
+    // the manifest lists no REAP outputs
+    let m: serde_json::Value = serde_json::from_slice(&read(&od.join("i.manifest.json"))).unwrap();
+    let roles: Vec<&str> = m["outputs"].as_array().unwrap().iter().map(|o| o["role"].as_str().unwrap()).collect();
+    assert_eq!(roles, ["imatrix"]);
+}
+
+// ---- the corpus
+
+#[test]
+fn corpus_missing_empty_not_utf8_too_short() {
+    let d = temp_dir("bad-corpus");
+    let m = fixture("qwen3moe");
+    refused_early(&calibrate_in(&d, &m, &["-f", "none.txt"]), &["-f none.txt", "cannot read the calibration text"]);
+    std::fs::write(d.join("empty.txt"), "\n").unwrap();
+    refused_early(&calibrate_in(&d, &m, &["-f", "empty.txt"]), &["-f empty.txt", "empty"]);
+    let mut text = read(&corpus());
+    text[1000] = 0xff;
+    let line = 1 + text[..1000].iter().filter(|&&b| b == b'\n').count();
+    std::fs::write(d.join("latin1.txt"), &text).unwrap();
+    refused_early(&calibrate_in(&d, &m, &["-f", "latin1.txt"]), &["-f latin1.txt", "not valid UTF-8", &format!("byte offset 1000 (line {line})")]);
+    // too short by bytes: refused before loading
+    std::fs::write(d.join("short.txt"), "a few words").unwrap();
+    refused_early(&calibrate_in(&d, &m, &["-f", "short.txt", "-c", "64"]), &["short.txt", "you need at least 128 tokens", "only 11 bytes"]);
+    // enough bytes, too few tokens: only the tokenizer can tell (after loading), still exit 2
+    std::fs::write(d.join("words.txt"), "word ".repeat(60)).unwrap();
+    refused(&calibrate_in(&d, &m, &["-f", "words.txt", "-c", "128"]), &["you need at least 256 tokens"]);
+}
+
+// ---- flags
+
+#[test]
+fn flags_refused_before_loading() {
+    let d = temp_dir("bad-flags");
+    let m = fixture("qwen3moe");
+    let c = corpus().to_string_lossy().into_owned();
+    for ctx in ["0", "-5"] {
+        refused_early(&calibrate_in(&d, &m, &["-f", &c, "-c", ctx]), &["--ctx-size"]);
+    }
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "--chunks", "0"]), &["--chunks 0"]);
+    // the fixture has 32 experts
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "--trace-out", "t.bin", "--trace-top-n", "33"]), &["--trace-top-n 33", "32 experts"]);
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "-o", "a.gguf", "--reap-out", "./a.gguf"]), &["name the same file"]);
+    let copy = d.join("model-copy.gguf");
+    std::fs::copy(&m, &copy).unwrap();
+    refused_early(&calibrate_in(&d, &copy, &["-f", &c, "-o", "model-copy.gguf"]), &["-o model-copy.gguf is the -m input"]);
+    assert_eq!(read(&copy), read(&m), "the model was not touched");
+    // nothing listens on a port that was free a moment ago
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let rpc = format!("127.0.0.1:{port}");
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "--rpc", &rpc]), &[&format!("--rpc {rpc}"), "unreachable"]);
+    assert!(std::fs::read_dir(&d).unwrap().all(|e| e.unwrap().path().extension().is_none_or(|x| x != "json")), "nothing written");
+}
+
+/// Upstream at the pin runs `-b` below `-c` and not dividing it (batches of b, then the
+/// rest), so we do too, with the same bytes.
+#[test]
+fn a_batch_that_does_not_divide_the_context_matches_upstream() {
+    let model = fixture("qwen3moe");
+    let (od, rd) = (temp_dir("b-nodiv-ours"), temp_dir("b-nodiv-ref"));
+    let args = ["-f", &corpus().to_string_lossy(), "-c", "128", "-b", "48", "--chunks", "3", "-t", "2", "-o", "i.gguf"].map(String::from);
+    let a = run_ok(Command::new(ours()).current_dir(&od).arg("-m").arg(&model).args(&args));
+    let b = run_ok(Command::new(reference_bin("llama-imatrix")).current_dir(&rd).arg("-m").arg(&model).args(&args));
+    assert_same_bytes(&od.join("i.gguf"), &rd.join("i.gguf"));
+    assert_eq!(ppl_lines(&a), ppl_lines(&b));
+    let out = run(Command::new(ours()).current_dir(&od).arg("check").args(["--reap", "i.reap.json", "--imatrix", "i.gguf"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn an_in_file_of_another_model_is_refused_before_loading() {
+    let d = temp_dir("in-file-other");
+    let other = d.join("wide.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--n-embd", "128", "--layers", "2", "-o"]).arg(&other));
+    run_ok(Command::new(ours()).current_dir(&d).arg("-m").arg(&other).arg("-f").arg(corpus()).args(["-c", "64", "--chunks", "2", "--no-ppl", "--no-reap", "-o", "wide.imatrix.gguf"]));
+    let out = calibrate_in(&d, &fixture("qwen3moe"), &["-f", &corpus().to_string_lossy(), "--in-file", "wide.imatrix.gguf"]);
+    refused_early(&out, &["--in-file wide.imatrix.gguf", "blk.0.", "another model"]);
+}
+
+// ---- files read by check, select, replay, reproduce
+
+struct Run {
+    dir: PathBuf,
+}
+
+/// One real run with every output, and a keep map, shared by the reader tests.
+fn real_run() -> &'static Run {
+    static R: OnceLock<Run> = OnceLock::new();
+    R.get_or_init(|| {
+        let dir = temp_dir("bad-files-run");
+        run_ok(Command::new(ours()).current_dir(&dir).arg("-m").arg(fixture("qwen3moe")).arg("-f").arg(corpus()).args([
+            "-c", "128", "-b", "128", "--chunks", "3", "--no-ppl", "-t", "2", "-o", "i.gguf", "--trace-out", "t.bin",
+        ]));
+        run_ok(Command::new(ours()).current_dir(&dir).args(["select", "--reap", "i.reap.json", "--method", "frequency", "--k", "8", "--out-dir", "maps"]));
+        Run { dir }
+    })
+}
+
+impl Run {
+    fn bytes(&self, name: &str) -> Vec<u8> {
+        read(&self.dir.join(name))
+    }
+    fn keep_map(&self) -> serde_json::Value {
+        let p = std::fs::read_dir(self.dir.join("maps")).unwrap().map(|e| e.unwrap().path()).find(|p| p.file_name().unwrap().to_string_lossy().starts_with("keep_")).unwrap();
+        serde_json::from_slice(&read(&p)).unwrap()
+    }
+    fn tool(&self, args: &[&str]) -> Output {
+        run(Command::new(ours()).current_dir(&self.dir).args(args))
+    }
+}
+
+#[test]
+fn damaged_traces_are_refused_by_every_reader() {
+    let r = real_run();
+    let good = r.bytes("t.bin");
+    let h = TraceReader::open(&r.dir.join("t.bin")).unwrap().header;
+    let mut cases: Vec<(&str, Vec<u8>, &str)> = Vec::new();
+    let row = h.row_size();
+    cases.push(("trunc.bin", good[..good.len() - row - 5].to_vec(), "only 382 are present (truncated file)"));
+    let mut magic = good.clone();
+    magic[..8].copy_from_slice(b"NOTATRCE");
+    cases.push(("magic.bin", magic, "no REAPTRC1 magic"));
+    let mut version = good.clone();
+    version[8..12].copy_from_slice(&7u32.to_le_bytes());
+    cases.push(("version.bin", version, "unsupported trace version 7"));
+    let mut layers = good.clone();
+    layers[16..20].copy_from_slice(&1_000_000u32.to_le_bytes());
+    cases.push(("layers.bin", layers, "header says 1000000 layers"));
+    let mut rows = good.clone();
+    rows[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
+    cases.push(("rows.bin", rows, "truncated file"));
+    let mut shape = good.clone();
+    shape[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+    cases.push(("shape.bin", shape, "implausible shape"));
+    for (name, bytes, why) in &cases {
+        std::fs::write(r.dir.join(name), bytes).unwrap();
+        for args in [
+            vec!["check", "--reap", "i.reap.json", "--trace", name],
+            vec!["replay", "--trace", name, "--policy", "lru", "--capacity", "8"],
+            vec!["select", "--reap", "i.reap.json", "--method", "frequency", "--k", "8", "--out-dir", "m2", "--trace", name],
+        ] {
+            refused(&r.tool(&args), &[name, why]);
+        }
+    }
+    assert_eq!(h.n_tokens, 384);
+}
+
+#[test]
+fn damaged_saliency_json_is_refused_or_fails_check() {
+    let r = real_run();
+    let good: serde_json::Value = serde_json::from_slice(&r.bytes("i.reap.json")).unwrap();
+    let text = String::from_utf8(r.bytes("i.reap.json")).unwrap();
+    let write = |name: &str, s: &str| std::fs::write(r.dir.join(name), s).unwrap();
+    write("cut.json", &text[..text.len() / 2]);
+    write("nan.json", &text.replacen("\"reap_l2_sum\": [\n", "\"reap_l2_sum\": [\n NaN,", 1));
+    let mut v = good.clone();
+    v["version"] = 9.into();
+    write("v9.json", &v.to_string());
+    let mut v = good.clone();
+    v["layers"][0]["count"][0] = (-1).into();
+    write("negcount.json", &v.to_string());
+    let mut v = good.clone();
+    v["layers"][0]["n_expert"] = u64::MAX.into();
+    write("huge.json", &v.to_string());
+    for (name, why) in [
+        ("cut.json", "not valid JSON"),
+        ("nan.json", "not valid JSON"),
+        ("v9.json", "unsupported version 9"),
+        ("negcount.json", "\"count\" holds -1, not a non-negative integer"),
+        ("huge.json", "\"count\" has 32 values, n_expert is 18446744073709551615"),
+    ] {
+        refused(&r.tool(&["check", "--reap", name]), &[name, why]);
+        refused(&r.tool(&["select", "--reap", name, "--method", "frequency", "--k", "8", "--out-dir", "m3"]), &[name, why]);
+    }
+    // a negative sum parses: check reports the broken invariant (exit 1), select refuses it
+    let mut v = good.clone();
+    v["layers"][1]["reap_l2_sum"][3] = (-0.5).into();
+    write("negsum.json", &v.to_string());
+    let out = r.tool(&["check", "--reap", "negsum.json"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("FAIL"));
+    refused(&r.tool(&["select", "--reap", "negsum.json", "--method", "frequency", "--k", "8", "--out-dir", "m3"]), &["negsum.json", "\"reap_l2_sum\"[3] is -0.5"]);
+}
+
+#[test]
+fn a_keep_map_for_another_model_is_refused() {
+    let r = real_run();
+    let good = r.keep_map();
+    let write = |name: &str, v: &serde_json::Value| std::fs::write(r.dir.join(name), v.to_string()).unwrap();
+    let mut fewer = good.clone();
+    fewer["layers"].as_array_mut().unwrap().pop();
+    write("fewer.json", &fewer);
+    let mut id = good.clone();
+    id["layers"][0]["keep"][0] = 40.into();
+    write("id.json", &id);
+    let mut block = good.clone();
+    block["layers"][0]["layer"] = 7.into();
+    write("block.json", &block);
+    std::fs::write(r.dir.join("cut-map.json"), &good.to_string()[..20]).unwrap();
+    for (name, why) in [
+        ("fewer.json", "3 layers, the trace has 4 MoE layers"),
+        ("id.json", "keeps expert 40, the trace has 32 experts"),
+        ("block.json", "entry 0 is block 7"),
+        ("cut-map.json", "not valid JSON"),
+    ] {
+        refused(&r.tool(&["replay", "--trace", "t.bin", "--policy", "lru", "--capacity", "8", "--keep-map", name]), &[name, why]);
+    }
+}
+
+#[test]
+fn damaged_manifests_are_refused_by_reproduce() {
+    let r = real_run();
+    let text = String::from_utf8(r.bytes("i.manifest.json")).unwrap();
+    let good: serde_json::Value = serde_json::from_str(&text).unwrap();
+    std::fs::write(r.dir.join("cut.manifest.json"), &text[..text.len() / 3]).unwrap();
+    let mut v = good.clone();
+    v["version"] = 2.into();
+    std::fs::write(r.dir.join("v2.manifest.json"), v.to_string()).unwrap();
+    let mut v = good.clone();
+    v["inputs"][0]["size"] = (-1).into();
+    std::fs::write(r.dir.join("neg.manifest.json"), v.to_string()).unwrap();
+    for (name, why) in [("cut.manifest.json", "not valid JSON"), ("v2.manifest.json", "unsupported \"version\""), ("neg.manifest.json", "file record without \"size\"")] {
+        refused(&r.tool(&["reproduce", name]), &[name, why]);
+    }
+}
+
+#[test]
+fn a_damaged_imatrix_is_refused_by_check() {
+    let r = real_run();
+    let good = r.bytes("i.gguf");
+    std::fs::write(r.dir.join("cut.imatrix.gguf"), &good[..good.len() / 2]).unwrap();
+    refused(&r.tool(&["check", "--reap", "i.reap.json", "--imatrix", "cut.imatrix.gguf"]), &["cut.imatrix.gguf", "not a readable GGUF"]);
+    std::fs::write(r.dir.join("junk.imatrix"), b"\x05\x00\x00\x00junk").unwrap();
+    refused(&r.tool(&["check", "--reap", "i.reap.json", "--imatrix", "junk.imatrix"]), &["junk.imatrix", "neither GGUF nor a legacy imatrix"]);
+}

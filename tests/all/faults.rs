@@ -1,0 +1,125 @@
+//! Faults during a run (docs/failures.md): SIGKILL at several moments leaves every output
+//! either the previous complete checkpoint or the next one (and `check` passes on them); a
+//! full disk stops the run with an error naming the file, earlier checkpoints intact.
+
+use super::util::*;
+use reap_imatrix::fixture::rng::SplitMix64;
+use reap_imatrix::formats::imatrix as imatrix_file;
+use reap_imatrix::formats::saliency::Saliency;
+use reap_imatrix::formats::trace::TraceReader;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ARGS: [&str; 16] = ["-t", "1", "-c", "64", "-b", "64", "--no-ppl", "--output-frequency", "1", "--chunks", "48", "-o", "i.gguf", "--trace-out", "t.bin", "-v"];
+
+/// Every output present is complete and they agree; `check` passes on them.
+fn assert_consistent(d: &Path, what: &str) {
+    let im = imatrix_file::load(&d.join("i.gguf")).unwrap_or_else(|e| panic!("{what}: imatrix: {e:#}"));
+    assert!(im.chunk_count >= 1, "{what}");
+    let s = Saliency::read(&d.join("i.reap.json")).unwrap_or_else(|e| panic!("{what}: saliency: {e:#}"));
+    let t = TraceReader::open(&d.join("t.bin")).unwrap_or_else(|e| panic!("{what}: trace: {e:#}"));
+    assert!(!t.header_count_missing, "{what}");
+    assert_eq!(s.tokens % 64, 0, "{what}: the JSON holds whole chunks");
+    // the imatrix and the JSON are the same checkpoint, or one apart (killed between them)
+    let im_tokens = im.chunk_count as u64 * 64;
+    assert!(im_tokens == s.tokens || im_tokens == s.tokens + 64, "{what}: imatrix {im_tokens} tokens, JSON {}", s.tokens);
+    let out = run(Command::new(ours()).current_dir(d).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
+    assert!(out.status.success(), "{what}: check failed:\n{}", String::from_utf8_lossy(&out.stdout));
+}
+
+fn wait_for(p: &Path, child: &mut std::process::Child, what: &str) {
+    let t0 = Instant::now();
+    while !p.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "{what}: the run ended before {} appeared", p.display());
+        assert!(t0.elapsed() < Duration::from_secs(120), "{what}: no {} after 2 minutes", p.display());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn sigkill_at_several_moments_leaves_complete_checkpoints() {
+    let model = fixture("qwen3moe");
+    // pseudo-random delays after the first JSON checkpoint, printed so a failure can be rerun
+    let seed = std::env::var("REAP_KILL_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(std::process::id() as u64);
+    let mut rng = SplitMix64::new(seed);
+    let mut delays: Vec<u64> = vec![0, 1];
+    delays.extend((0..4).map(|_| rng.next_u64() % 400));
+    eprintln!("kill delays (ms) after the first checkpoint, REAP_KILL_SEED={seed}: {delays:?}");
+    let mut killed_mid_run = 0;
+    for (i, &ms) in delays.iter().enumerate() {
+        let d = temp_dir(&format!("sigkill-{i}"));
+        let what = format!("kill {ms} ms after the first checkpoint");
+        let mut child = Command::new(ours())
+            .current_dir(&d)
+            .arg("-m")
+            .arg(&model)
+            .arg("-f")
+            .arg(corpus())
+            .args(ARGS)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for(&d.join("i.reap.json"), &mut child, &what);
+        std::thread::sleep(Duration::from_millis(ms));
+        let still_running = child.try_wait().unwrap().is_none();
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+        child.wait().unwrap();
+        killed_mid_run += still_running as usize;
+        assert_consistent(&d, &what);
+        // the only leftovers beside complete files are temporary files of the atomic writes
+        for e in std::fs::read_dir(&d).unwrap() {
+            let name = e.unwrap().file_name().into_string().unwrap();
+            assert!(["i.gguf", "i.reap.json", "t.bin", "i.manifest.json"].contains(&name.as_str()) || name.contains(".tmp"), "{what}: {name}");
+        }
+    }
+    assert!(killed_mid_run >= 3, "only {killed_mid_run} kills hit a running run: make the run longer");
+}
+
+/// A tmpfs of a few hundred KiB mounted for the test (needs root; skipped with a note
+/// otherwise), unmounted when dropped.
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(name: &str, kib: u32) -> Option<SmallDisk> {
+        let p = temp_dir(name);
+        let ok = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={kib}k"), "tmpfs"]).arg(&p).status().is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("note: cannot mount a tmpfs here (not root?): the disk-full test did not run");
+            return None;
+        }
+        Some(SmallDisk(p))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_disk_stops_the_run_with_the_file_named_and_earlier_checkpoints_intact() {
+    let Some(disk) = SmallDisk::mount("disk-full", 640) else { return };
+    let d = &disk.0;
+    let t0 = Instant::now();
+    let out = run(Command::new(ours()).current_dir(d).arg("-m").arg(fixture("qwen3moe")).arg("-f").arg(corpus()).args(ARGS));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left on device") || err.contains("disk full?"), "{err}");
+    assert!(["t.bin", "i.gguf", "i.reap.json"].iter().any(|f| err.contains(&format!("{}/{f}", d.display())) || err.contains(&format!("writing trace {f}")) || err.contains(f)), "{err}");
+    assert!(err.contains("earlier checkpoints are left as they were"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(120));
+    // it stopped early, and what is there is whole
+    let im = imatrix_file::load(&d.join("i.gguf")).unwrap();
+    assert!(im.chunk_count >= 1 && im.chunk_count < 48, "{}", im.chunk_count);
+    assert!(!d.join("i.manifest.json").exists(), "no manifest for a failed run");
+    let t = TraceReader::open(&d.join("t.bin")).unwrap();
+    assert!(t.n_rows > 0 && !t.header_count_missing);
+    assert_consistent(d, "disk full");
+    // no temporary file is left behind by a failed atomic write
+    let names: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(names.iter().all(|n| !n.contains(".tmp")), "{names:?}");
+}
