@@ -12,4 +12,6 @@ pub mod error;
 pub mod eval;
 pub mod fixture;
 pub mod formats;
+pub mod interrupt;
 pub mod llama;
+pub mod progress;

@@ -337,7 +337,7 @@ fn saliency_reader() {
         let Ok(s) = serde_json::from_slice::<Value>(b).map_err(anyhow::Error::from).and_then(|v| Saliency::from_json(&v)) else { return false };
         std::hint::black_box(s.value_problem());
         let mut rep = reap_imatrix::analyze::check::Report::default();
-        reap_imatrix::analyze::check::check_saliency(&s, Some(true), 3, &mut rep);
+        reap_imatrix::analyze::check::check_saliency(&s, reap_imatrix::analyze::check::Gating::from_metadata(&s), 3, &mut rep);
         std::hint::black_box(s.to_json());
         true
     });

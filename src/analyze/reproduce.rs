@@ -72,6 +72,15 @@ pub fn redirect_outputs(argv: &[String], dir: &Path) -> Vec<String> {
 
 pub fn run(args: &ReproduceArgs) -> Result<i32> {
     let m = Manifest::read(&args.manifest).map_err(|e| UsageError(format!("{e:#}")))?;
+    if let Some(i) = &m.interrupted {
+        bail!(UsageError(format!(
+            "{}: the recorded run was stopped by {} at chunk {} ({} tokens evaluated): its outputs are partial, and a re-run would compute the whole run",
+            args.manifest.display(),
+            i.signal,
+            i.chunk,
+            i.tokens
+        )));
+    }
     println!("reproduce {}: reap-imatrix {} on llama.cpp {}", args.manifest.display(), m.tool_version, m.llama_cpp_commit);
     if m.tool_version != env!("CARGO_PKG_VERSION") || m.llama_cpp_commit != crate::llama::PIN_COMMIT || m.patches_sha256 != crate::llama::PATCHES_SHA256 {
         println!(

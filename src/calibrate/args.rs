@@ -140,6 +140,10 @@ pub struct ImatrixArgs {
     #[arg(long = "manifest-out", value_name = "PATH", help_heading = "REAP")]
     pub manifest_out: Option<PathBuf>,
 
+    /// progress line: auto (live on a terminal, a plain line at each checkpoint otherwise), always, never
+    #[arg(long = "progress", value_enum, value_name = "WHEN", default_value_t = crate::progress::Mode::Auto)]
+    pub progress: crate::progress::Mode,
+
     /// log everything llama.cpp says
     #[arg(short = 'v', long = "verbose", visible_alias = "log-verbose")]
     pub verbose: bool,

@@ -14,7 +14,8 @@ pub mod writer;
 use crate::calibrate::args::{beside_output, ImatrixArgs, OutputFormat};
 use crate::collect::trace_rows::{BatchLayout, SeqSpan, TraceRows};
 use crate::formats::trace::{TraceHeader, FLAG_NORMALISED};
-use crate::formats::manifest::FileRecord;
+use crate::formats::manifest::{FileRecord, Interruption};
+use crate::progress;
 use observer::{Checkpoint, ReapState};
 use serde_json::{json, Value};
 use crate::error::UsageError;
@@ -23,7 +24,7 @@ use crate::formats::imatrix as imatrix_file;
 use crate::llama::{self, Context, ContextParams, Model, ModelParams};
 use anyhow::{bail, Context as _, Result};
 use observer::CalibrationObserver;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use writer::{ImatrixFormat, Job, Writer};
@@ -152,6 +153,7 @@ impl Plan {
             format: self.format,
             prompt_file: self.prompt_file.clone(),
             chunk_size: self.chunk_size(),
+            progress_at: None,
         }
     }
 }
@@ -160,6 +162,7 @@ impl Plan {
 /// as given) goes into the run manifest.
 pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     llama::log::set_verbosity(if args.verbose { 2 } else { args.verbosity.unwrap_or(0) });
+    progress::configure(args.progress);
     if args.show_statistics {
         return show_statistics::show(&args);
     }
@@ -184,7 +187,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         w.send(plan.job(SaveRequest { at: None, state: collector.state }));
         w.finish()?;
         let model = FileRecord::of("model", &model_path, &std::env::current_dir()?)?;
-        return write_manifest(&plan, argv, model, &[]);
+        return write_manifest(&plan, argv, model, &[], None);
     };
     let model_size = std::fs::metadata(&model_path).map(|m| m.len()).unwrap_or(0);
     // hashing a large model takes a while: once per file version (cached), beside the compute
@@ -215,19 +218,32 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         }),
         chunks_done: 0,
         at_files: Vec::new(),
+        chunk_base: ctx.observer().imatrix.state.last_chunk,
     };
+    // from here a first SIGINT/SIGTERM stops the run between ubatches, with its outputs written
+    let _graceful = crate::interrupt::graceful();
     let outcome = compute(&plan, &mut ctx, &text, &mut out);
     // queued checkpoints are consistent states: they go to disk whatever happened
     out.flush(&mut ctx);
-    if let Err(e) = outcome {
-        let w = out.writer.finish();
-        if e.is::<writer::WriteFailed>() {
-            return Err(w.err().unwrap_or(e).context("the run stopped; earlier checkpoints are left as they were"));
+    let interrupted = match outcome {
+        Ok(i) => i,
+        Err(e) => {
+            let w = out.writer.finish();
+            if e.is::<writer::WriteFailed>() {
+                return Err(w.err().unwrap_or(e).context("the run stopped; earlier checkpoints are left as they were"));
+            }
+            return Err(e.context(match w {
+                Ok(()) => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
+                Err(we) => format!("and writing the last checkpoint failed too: {we:#}"),
+            }));
         }
-        return Err(e.context(match w {
-            Ok(()) => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
-            Err(we) => format!("and writing the last checkpoint failed too: {we:#}"),
-        }));
+    };
+    if let Some((sig, i)) = interrupted.as_ref().filter(|(_, i)| i.tokens == 0) {
+        out.writer.finish()?;
+        bail!(crate::error::Interrupted {
+            signal: *sig,
+            message: format!("interrupted by {} before chunk {} was evaluated: nothing new was written", i.signal, i.chunk),
+        });
     }
     let state = ctx.observer().imatrix.state.clone();
     out.writer.send(plan.job(SaveRequest { at: None, state }));
@@ -258,7 +274,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         Some(h) => FileRecord { role: "model".into(), path: model_path.clone(), size: model_size, sha256: h.clone() },
         None => FileRecord::of("model", &model_path, &std::env::current_dir()?)?,
     };
-    write_manifest(&plan, argv, model_record, &extra)?;
+    write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i))?;
     eprintln!(
         "collection: {:.3} s inside the eval callback over {} chunks",
         ctx.observer().busy.as_secs_f64(),
@@ -270,6 +286,19 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     }
     if let Some(t) = &plan.args.trace_out {
         eprintln!("routing trace written to {} ({} rows)", t.display(), ctx.observer().reap.as_ref().and_then(|r| r.trace.as_ref()).map_or(0, |t| t.rows));
+    }
+    if let Some((signal, i)) = interrupted {
+        bail!(crate::error::Interrupted {
+            signal,
+            message: format!(
+                "interrupted by {} during chunk {}: the outputs hold the {} tokens evaluated ({} whole chunks); {} records the interruption",
+                i.signal,
+                i.chunk,
+                i.tokens,
+                i.chunks_done,
+                plan.manifest_path().display()
+            ),
+        });
     }
     Ok(())
 }
@@ -284,6 +313,8 @@ struct Outputs<'p> {
     chunks_done: usize,
     /// `.at_N` copies sent to the writer
     at_files: Vec<PathBuf>,
+    /// the imatrix's chunk count before this run (merged --in-file): checkpoints count from it
+    chunk_base: i32,
 }
 
 impl Outputs<'_> {
@@ -317,7 +348,11 @@ impl Outputs<'_> {
         self.flush_trace(ctx);
         let checkpoints: Vec<Checkpoint> = ctx.observer_mut().checkpoints.drain(..).collect();
         for c in checkpoints {
-            let job = self.plan.job(c.imatrix);
+            let rolling_at = c.imatrix.at.is_none().then(|| (c.imatrix.state.last_chunk - self.chunk_base).max(0) as u64);
+            let mut job = self.plan.job(c.imatrix);
+            if let Job::Imatrix { progress_at, .. } = &mut job {
+                *progress_at = rolling_at;
+            }
             if let (Job::Imatrix { path, .. }, true) = (&job, c.reap.is_none()) {
                 if !self.at_files.contains(path) && path != &self.plan.args.output_file {
                     self.at_files.push(path.clone());
@@ -431,7 +466,8 @@ fn context_params(plan: &Plan) -> Result<ContextParams> {
     })
 }
 
-fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8], outputs: &mut Outputs) -> Result<()> {
+/// The chunk loop. Returns the signal and where it stopped the run, when one did.
+fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8], outputs: &mut Outputs) -> Result<Option<(i32, Interruption)>> {
     let model = ctx.model();
     let vocab = model.vocab();
     let add_bos = vocab.add_bos();
@@ -470,8 +506,9 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
     let mut ppl = perplexity::Accumulator::default();
     let mut logits: Vec<f32> = Vec::new();
     let mut batch = ctx.batch();
-    let progress = std::io::stderr().is_terminal();
-    let t_run = Instant::now();
+    let bar = progress::start(n_chunk as u64, progress::Unit::Chunks { tokens: n_ctx as u64 }).checkpoints();
+    // upstream's per-chunk perplexities grow one line on stdout: no live line over it
+    let bar = if compute_ppl { bar.quiet_on_terminal() } else { bar };
     let mut out = std::io::stdout().lock();
     let mut i = 0;
     while i < n_chunk {
@@ -516,6 +553,20 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             if let Some(f) = ctx.observer_mut().failure.take() {
                 bail!("{f}");
             }
+            if ctx.observer().interrupted {
+                bar.abandon("interrupted");
+                if compute_ppl {
+                    writeln!(out)?;
+                }
+                let signal = crate::interrupt::requested().unwrap_or(libc::SIGINT);
+                let at = Interruption {
+                    signal: crate::interrupt::name(signal),
+                    chunk: i as u64 + 1,
+                    chunks_done: i as u64,
+                    tokens: ctx.observer().tokens_begun,
+                };
+                return Ok(Some((signal, at)));
+            }
             let completed = r.context("failed to eval")?;
             if !completed && !ctx.observer().stopped_before_logits {
                 bail!("failed to eval: the graph was stopped");
@@ -533,7 +584,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
                 eta += &format!("{} hours ", total_seconds / 3600);
                 total_seconds %= 3600;
             }
-            eprintln!("compute_imatrix: {t_total:.2} seconds per pass - ETA {eta}{:.2} minutes", total_seconds as f64 / 60.0);
+            progress::eprintln(&format!("compute_imatrix: {t_total:.2} seconds per pass - ETA {eta}{:.2} minutes", total_seconds as f64 / 60.0));
         }
         if compute_ppl {
             let first = n_ctx / 2;
@@ -548,15 +599,11 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
         }
         i += n_seq;
         outputs.chunks_done = i.min(n_chunk);
-        if progress {
-            let done = i.min(n_chunk);
-            let rate = t_run.elapsed().as_secs_f64() / done as f64;
-            eprint!("\r[{done}/{n_chunk}] {:.1}s elapsed, ETA {:.1}s   ", t_run.elapsed().as_secs_f64(), rate * (n_chunk - done) as f64);
-            if done == n_chunk {
-                eprintln!();
-            }
-        }
+        bar.set(outputs.chunks_done as u64);
     }
+    // the last checkpoint, when it is written, belongs on the line
+    outputs.writer.sync();
+    bar.finish();
     writeln!(out)?;
     if compute_ppl {
         match ppl.final_estimate() {
@@ -564,7 +611,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             None => writeln!(out, "Unexpected negative standard deviation of log(prob)")?,
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// The rows of every ubatch of one batch: `n_seq` sequences (chunks `chunk0..`), each
@@ -590,7 +637,7 @@ fn batch_rows(chunk0: usize, pos0: usize, len: usize, n_seq: usize, n_ubatch: us
 }
 
 /// Records what was run, on what, and what came out (see formats::manifest).
-fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&str, PathBuf)]) -> Result<()> {
+fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&str, PathBuf)], interrupted: Option<&Interruption>) -> Result<()> {
     use crate::formats::manifest::Manifest;
     let cwd = std::env::current_dir().context("reading the working folder")?;
     let mut inputs = vec![model];
@@ -613,6 +660,7 @@ fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&
         inputs,
         outputs: outs,
         platform: Some(crate::formats::manifest::Platform::current()),
+        interrupted: interrupted.cloned(),
     };
     m.write(&plan.manifest_path())
 }

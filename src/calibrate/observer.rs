@@ -48,6 +48,10 @@ pub struct CalibrationObserver {
     pub stopped_before_logits: bool,
     /// time spent inside `observe` (the graph waits for it)
     pub busy: std::time::Duration,
+    /// a signal asked the run to stop, and the graph was stopped at the start of a ubatch
+    pub interrupted: bool,
+    /// tokens of the ubatches started so far (all of them complete when the run is interrupted)
+    pub tokens_begun: u64,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -79,6 +83,8 @@ impl CalibrationObserver {
             stop_before_logits: false,
             stopped_before_logits: false,
             busy: std::time::Duration::ZERO,
+            interrupted: false,
+            tokens_begun: 0,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -242,6 +248,10 @@ impl GraphObserver for CalibrationObserver {
         if self.stop_before_logits && node.name() == RESULT_NORM {
             return true;
         }
+        // where a signal can stop the run with every collector at a ubatch boundary
+        if is_ubatch_start(node) {
+            return true;
+        }
         if self.reap.is_some() && is_reap_node(node) {
             return true;
         }
@@ -260,6 +270,14 @@ impl GraphObserver for CalibrationObserver {
 
 impl CalibrationObserver {
     fn observe_timed(&mut self, node: Node<'_>) -> bool {
+        if is_ubatch_start(node) {
+            if crate::interrupt::requested().is_some() {
+                // before anything of this ubatch is collected: the previous ones are whole
+                self.interrupted = true;
+                return false;
+            }
+            self.tokens_begun += node.src(1).map_or(0, |s| s.info().ne[0].max(0) as u64);
+        }
         if self.stop_before_logits && node.name() == RESULT_NORM {
             self.stopped_before_logits = true;
             return false;

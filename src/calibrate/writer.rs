@@ -18,7 +18,8 @@ pub enum ImatrixFormat {
 }
 
 pub enum Job {
-    Imatrix { path: PathBuf, state: Box<Imatrix>, format: ImatrixFormat, prompt_file: String, chunk_size: i32 },
+    /// `progress_at`: a rolling checkpoint of that many chunks, for the progress line once written
+    Imatrix { path: PathBuf, state: Box<Imatrix>, format: ImatrixFormat, prompt_file: String, chunk_size: i32, progress_at: Option<u64> },
     Saliency { path: PathBuf, saliency: Box<Saliency> },
     /// starts the trace file (header with 0 rows)
     TraceCreate { path: PathBuf, header: TraceHeader },
@@ -27,6 +28,8 @@ pub enum Job {
     /// makes the writer thread panic (tests of a dead writer)
     #[cfg(test)]
     Panic,
+    /// answered once every job before it is done
+    Sync(Sender<()>),
 }
 
 pub struct Writer {
@@ -97,6 +100,16 @@ impl Writer {
         }
     }
 
+    /// Waits until everything queued so far has been written (or has failed).
+    pub fn sync(&self) {
+        let (tx, rx) = bounded(1);
+        if let Some(q) = &self.tx {
+            if q.send(Job::Sync(tx)).is_ok() {
+                let _ = rx.recv();
+            }
+        }
+    }
+
     /// Waits until everything queued is on disk; returns the first write error.
     pub fn finish(mut self) -> Result<()> {
         self.tx.take();
@@ -122,13 +135,23 @@ impl Drop for Writer {
 
 fn run_job(job: Job, trace: &mut Option<TraceFile>, back: &Sender<Vec<u8>>) -> Result<()> {
     match job {
-        Job::Imatrix { path, state, format, prompt_file, chunk_size } => match format {
-            ImatrixFormat::Gguf => imatrix_file::write_gguf(&path, &state, &prompt_file, chunk_size),
-            ImatrixFormat::Dat => imatrix_file::write_dat(&path, &state, &prompt_file, chunk_size),
-        },
+        Job::Imatrix { path, state, format, prompt_file, chunk_size, progress_at } => {
+            match format {
+                ImatrixFormat::Gguf => imatrix_file::write_gguf(&path, &state, &prompt_file, chunk_size),
+                ImatrixFormat::Dat => imatrix_file::write_dat(&path, &state, &prompt_file, chunk_size),
+            }?;
+            if let Some(at) = progress_at {
+                crate::progress::note(at);
+            }
+            Ok(())
+        }
         Job::Saliency { path, saliency } => saliency.write(&path),
         Job::TraceCreate { path, header } => {
             *trace = Some(TraceFile::create(&path, header)?);
+            Ok(())
+        }
+        Job::Sync(done) => {
+            let _ = done.send(());
             Ok(())
         }
         Job::TraceRows { mut rows, n } => {

@@ -15,6 +15,9 @@ use std::ffi::OsString;
 struct Tools {
     #[command(subcommand)]
     command: Command,
+    /// progress line of long runs: auto (live on a terminal, plain lines otherwise), always, never
+    #[arg(long, global = true, value_enum, value_name = "WHEN", default_value_t = crate::progress::Mode::Auto)]
+    progress: crate::progress::Mode,
 }
 
 /// The drop-in mode's parser.
@@ -69,6 +72,7 @@ enum Command {
 }
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
+    crate::interrupt::install();
     let first = argv.get(1).and_then(|a| a.to_str()).unwrap_or("");
     if !subcommands().iter().any(|(n, _)| n == first) {
         return drop_in(argv);
@@ -83,6 +87,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
             return Ok(code);
         }
     };
+    crate::progress::configure(cli.progress);
     match cli.command {
         Command::Fixture(args) => crate::fixture::run(&args).map(|()| 0),
         Command::Check(args) => crate::analyze::check::run(&args),

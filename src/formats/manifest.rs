@@ -32,6 +32,38 @@ pub struct Manifest {
     pub outputs: Vec<FileRecord>,
     /// what makes the numbers machine-dependent (absent in manifests written before it existed)
     pub platform: Option<Platform>,
+    /// set when a signal stopped the run: the outputs hold a prefix of it
+    pub interrupted: Option<Interruption>,
+}
+
+/// Where a signal stopped a calibration run, and what its outputs hold.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Interruption {
+    /// "SIGINT", "SIGTERM"
+    pub signal: String,
+    /// the chunk (1-based) being computed when the run stopped; with several sequences per
+    /// batch, the first chunk of that batch
+    pub chunk: u64,
+    /// chunks complete before it
+    pub chunks_done: u64,
+    /// tokens evaluated (whole ubatches): what the imatrix, saliency JSON and trace hold
+    pub tokens: u64,
+}
+
+impl Interruption {
+    fn to_json(&self) -> Value {
+        json!({"signal": self.signal, "chunk": self.chunk, "chunks_done": self.chunks_done, "tokens": self.tokens})
+    }
+
+    fn from_json(v: &Value) -> Result<Interruption> {
+        let n = |k: &str| v.get(k).and_then(Value::as_u64).with_context(|| format!("\"interrupted\" without \"{k}\""));
+        Ok(Interruption {
+            signal: v.get("signal").and_then(Value::as_str).context("\"interrupted\" without \"signal\"")?.to_string(),
+            chunk: n("chunk")?,
+            chunks_done: n("chunks_done")?,
+            tokens: n("tokens")?,
+        })
+    }
 }
 
 /// The machine a run computed on: llama.cpp's system info, the CPU features it reports as on
@@ -107,7 +139,7 @@ impl FileRecord {
 
 impl Manifest {
     pub fn to_json(&self) -> Value {
-        json!({
+        let mut v = json!({
             "format": FORMAT,
             "version": VERSION,
             "tool": {"name": "reap-imatrix", "version": self.tool_version, "llama_cpp_commit": self.llama_cpp_commit, "patches_sha256": self.patches_sha256},
@@ -116,7 +148,11 @@ impl Manifest {
             "inputs": self.inputs.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
             "outputs": self.outputs.iter().map(FileRecord::to_json).collect::<Vec<_>>(),
             "platform": self.platform.as_ref().map(Platform::to_json),
-        })
+        });
+        if let Some(i) = &self.interrupted {
+            v["interrupted"] = i.to_json();
+        }
+        v
     }
 
     pub fn write(&self, path: &Path) -> Result<()> {
@@ -155,6 +191,7 @@ impl Manifest {
             inputs: files("inputs")?,
             outputs: files("outputs")?,
             platform: v.get("platform").filter(|p| p.is_object()).map(Platform::from_json),
+            interrupted: v.get("interrupted").filter(|i| !i.is_null()).map(Interruption::from_json).transpose()?,
         })
     }
 }
@@ -174,8 +211,13 @@ mod tests {
             inputs: vec![FileRecord { role: "model".into(), path: "m.gguf".into(), size: 3, sha256: "00".into() }],
             outputs: vec![FileRecord { role: "imatrix".into(), path: "i.gguf".into(), size: 5, sha256: "11".into() }],
             platform: Some(Platform { system_info: "CPU : AVX2 = 1 | ".into(), cpu_features: vec!["AVX2".into()], devices: vec!["CPU: x".into()] }),
+            interrupted: None,
         };
         assert_eq!(Manifest::from_json(&m.to_json()).unwrap(), m);
+        assert!(m.to_json().get("interrupted").is_none(), "a complete run's manifest has no \"interrupted\"");
+        let stopped = Manifest { interrupted: Some(Interruption { signal: "SIGINT".into(), chunk: 5, chunks_done: 4, tokens: 4 * 128 + 64 }), ..m.clone() };
+        assert_eq!(Manifest::from_json(&stopped.to_json()).unwrap(), stopped);
+        assert_eq!(stopped.to_json()["interrupted"]["chunks_done"], 4);
         assert!(Manifest::from_json(&json!({"format": "x"})).is_err());
     }
 }

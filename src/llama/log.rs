@@ -1,5 +1,6 @@
 //! llama.cpp's and ggml's log output, routed through one place: quiet by default, everything
 //! with `-v`. Errors are always shown, and the last few are kept so a failed load can say why.
+//! Shown lines go through `progress::eprint`, so they never garble a progress line.
 
 use super::sys;
 use std::collections::VecDeque;
@@ -58,6 +59,6 @@ fn route(level: sys::ggml_log_level, msg: &str) {
         _ => verbosity() >= 1,
     };
     if show {
-        eprint!("{msg}");
+        crate::progress::eprint(msg);
     }
 }

@@ -93,3 +93,27 @@ pub fn ppl_lines(out: &Output) -> Vec<String> {
         .map(String::from)
         .collect()
 }
+
+/// A calibration of the qwen3moe fixture on the bundled corpus in `dir` (`-o i.gguf`, one
+/// thread, no perplexity), with `extra` flags.
+pub fn calibrate_cmd(dir: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(ours());
+    c.current_dir(dir).arg("-m").arg(fixture("qwen3moe")).arg("-f").arg(corpus()).args(["-t", "1", "--no-ppl", "-o", "i.gguf"]).args(extra);
+    c
+}
+
+/// Sends `sig` to a child process.
+pub fn signal(child: &std::process::Child, sig: i32) {
+    // SAFETY: plain kill(2) on our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0, "kill({}, {sig})", child.id());
+}
+
+/// Waits until `path` exists while `child` runs (panics if it ends first or after 2 minutes).
+pub fn wait_for_file(child: &mut std::process::Child, path: &Path) {
+    let t0 = std::time::Instant::now();
+    while !path.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before {} was written", path.display());
+        assert!(t0.elapsed().as_secs() < 120, "{} not written after 2 minutes", path.display());
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}

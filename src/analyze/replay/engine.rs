@@ -9,6 +9,9 @@ use anyhow::{bail, Result};
 /// An expert id that is not there (no rank, no link, not resident).
 pub const NONE: u16 = u16::MAX;
 
+/// Rows between two progress counts (each pass adds its rows as it goes).
+const PROGRESS_ROWS: usize = 4096;
+
 /// One (token, layer) as the policies see it. Slices are the layer's own (length n_expert for
 /// per-expert arrays).
 pub struct Step<'a> {
@@ -157,6 +160,9 @@ pub fn next_uses(trace: &TraceReader, rows: std::ops::Range<u64>, shape: Shape, 
     let mut seen = vec![u32::MAX; nl * ne];
     let mut router = Router::new(shape, keep, false);
     for ti in (0..n).rev() {
+        if ti % PROGRESS_ROWS == 0 {
+            crate::progress::add(PROGRESS_ROWS.min(n - ti) as u64);
+        }
         let row = trace.row(rows.start + ti as u64);
         for li in 0..nl {
             let r = router.route(&row, li);
@@ -206,6 +212,9 @@ pub fn run(
     let reads_candidates = depth > 0;
     let end = rows.end;
     for (ti, t) in rows.enumerate() {
+        if ti % PROGRESS_ROWS == 0 {
+            crate::progress::add(PROGRESS_ROWS.min((end - t) as usize) as u64);
+        }
         let row = trace.row(t);
         if reads_candidates && t + 1 < end {
             // each layer's candidates sit a page or more apart in every row, beyond what the

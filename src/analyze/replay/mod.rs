@@ -319,6 +319,9 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         run_policies.push(Policy::Belady);
     }
     let (t0, c0) = (std::time::Instant::now(), thread_cpu_seconds());
+    // every row once forward, and once backward for Belady's next-use array
+    let passes = 1 + run_policies.contains(&Policy::Belady) as u64;
+    let bar = crate::progress::start(passes * (rows.end - rows.start), crate::progress::Unit::Rows);
     let (outcomes, forced) = simulate(
         &trace,
         rows.clone(),
@@ -330,6 +333,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         args.near_pick_weight,
     )
     .map_err(|e| usage(format!("--trace {}: {e:#}", trace_path.display())))?;
+    bar.finish();
     let (secs, cpu) = (t0.elapsed().as_secs_f64(), thread_cpu_seconds() - c0);
     let slots: u64 = outcomes.first().map(|o| o.hits.iter().chain(&o.misses).sum()).unwrap_or(0);
     let lookups = slots * outcomes.len() as u64;
