@@ -11,6 +11,7 @@ pub mod collect;
 pub mod corpus;
 pub mod decode;
 pub mod error;
+pub mod eval;
 pub mod fixture;
 pub mod formats;
 pub mod interrupt;

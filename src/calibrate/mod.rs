@@ -432,12 +432,17 @@ fn is_normalised_node(name: &str) -> bool {
 }
 
 pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
-    let n_gpu_layers = match args.n_gpu_layers.as_str() {
+    model_params_of(&args.n_gpu_layers, &args.load_mode, args.rpc.clone())
+}
+
+/// `-ngl`, `-lm` and `--rpc` as upstream's tools read them (shared with `eval`).
+pub fn model_params_of(n_gpu_layers: &str, load_mode: &str, rpc: Option<String>) -> Result<ModelParams> {
+    let n_gpu_layers = match n_gpu_layers {
         "auto" => -1,
         "all" => -2,
         n => n.parse().map_err(|_| UsageError(format!("-ngl: expected a number, 'auto' or 'all', got '{n}'")))?,
     };
-    let load_mode = match args.load_mode.as_str() {
+    let load_mode = match load_mode {
         "auto" => llama::sys::LLAMA_LOAD_MODE_AUTO,
         "none" => llama::sys::LLAMA_LOAD_MODE_NONE,
         "mmap" => llama::sys::LLAMA_LOAD_MODE_MMAP,
@@ -446,23 +451,34 @@ pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
         "dio" => llama::sys::LLAMA_LOAD_MODE_DIRECT_IO,
         m => bail!(UsageError(format!("-lm: unknown load mode '{m}'"))),
     };
-    Ok(ModelParams { n_gpu_layers, load_mode, rpc_servers: args.rpc.clone(), vocab_only: false })
+    Ok(ModelParams { n_gpu_layers, load_mode, rpc_servers: rpc, vocab_only: false })
 }
 
-fn context_params(plan: &Plan) -> Result<ContextParams> {
+/// `-t`/`-tb` as upstream reads them: ≤ 0 means every core.
+pub fn thread_counts(threads: i32, threads_batch: Option<i32>) -> (i32, i32) {
     let hw = std::thread::available_parallelism().map(|n| n.get() as i32).unwrap_or(4);
-    let threads = if plan.args.threads <= 0 { hw } else { plan.args.threads };
-    let threads_batch = match plan.args.threads_batch {
+    let threads = if threads <= 0 { hw } else { threads };
+    let threads_batch = match threads_batch {
         None => threads,
         Some(t) if t <= 0 => hw,
         Some(t) => t,
     };
-    let flash_attn = match plan.args.flash_attn.as_str() {
+    (threads, threads_batch)
+}
+
+/// `-fa on|off|auto` → `llama_flash_attn_type`.
+pub fn flash_attn_type(v: &str) -> Result<i32> {
+    Ok(match v {
         "on" | "enabled" | "1" | "true" => llama::sys::LLAMA_FLASH_ATTN_TYPE_ENABLED,
         "off" | "disabled" | "0" | "false" => llama::sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
         "auto" | "-1" => llama::sys::LLAMA_FLASH_ATTN_TYPE_AUTO,
         v => bail!(UsageError(format!("unknown value for --flash-attn: '{v}'"))),
-    };
+    })
+}
+
+fn context_params(plan: &Plan) -> Result<ContextParams> {
+    let (threads, threads_batch) = thread_counts(plan.args.threads, plan.args.threads_batch);
+    let flash_attn = flash_attn_type(&plan.args.flash_attn)?;
     Ok(ContextParams {
         n_ctx: plan.n_kv as u32,
         n_batch: plan.n_batch as u32,

@@ -27,6 +27,13 @@ impl Accumulator {
         self.count += n;
     }
 
+    /// One scored token's −log p, computed elsewhere (the base pass of `eval`).
+    pub fn add_value(&mut self, v: f64) {
+        self.nll += v;
+        self.nll2 += v * v;
+        self.count += 1;
+    }
+
     pub fn ppl(&self) -> f64 {
         (self.nll / self.count as f64).exp()
     }

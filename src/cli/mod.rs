@@ -69,6 +69,8 @@ enum Command {
     Corpus(crate::corpus::CorpusArgs),
     /// Re-run a recorded run (its manifest) and report whether every output is byte-identical.
     Reproduce(crate::analyze::reproduce::ReproduceArgs),
+    /// KL divergence, top-1 agreement and PPL of models against a base (as llama-perplexity --kl-divergence).
+    Eval(crate::eval::EvalArgs),
     /// Write a saliency JSON in another tool's terms (CerebrasResearch/reap's observer state).
     Export(crate::analyze::export::ExportArgs),
     /// Generate from prompts and write the routing trace of prefill and decode (see docs/formats.md).
@@ -81,8 +83,8 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
     if !subcommands().iter().any(|(n, _)| n == first) {
         return drop_in(argv);
     }
-    // trace-decode takes llama.cpp's single-dash long flags (-ngl, -ub, -fa) as the drop-in does
-    let argv = if first == "trace-decode" { argv::normalize(argv).0 } else { argv };
+    // trace-decode and eval take llama.cpp's single-dash long flags (-ngl, -ub, -fa, -lm) as the drop-in does
+    let argv = if first == "trace-decode" || first == "eval" { argv::normalize(argv).0 } else { argv };
     let cli = match Tools::try_parse_from(&argv) {
         Ok(c) => c,
         Err(e) => {
@@ -99,6 +101,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Prune(args) => crate::analyze::prune::run(&args),
         Command::Replay(args) => crate::analyze::replay::run(&args),
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
+        Command::Eval(args) => crate::eval::run(&args),
         Command::Export(args) => crate::analyze::export::run(&args),
         Command::Corpus(args) => crate::corpus::run(&args),
         Command::TraceDecode(args) => crate::decode::run(&args),

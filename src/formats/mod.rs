@@ -1,6 +1,7 @@
 //! File formats, one module each. Writers never touch a tensor; readers never touch the graph.
 
 pub mod atomic;
+pub mod base_logits;
 pub mod domains;
 pub mod gguf_header;
 pub mod gguf;

@@ -33,6 +33,11 @@ unsafe impl Send for Model {}
 unsafe impl Sync for Model {}
 
 impl Model {
+    /// Loads only the vocabulary (no weights): for tokenizing with a model's tokenizer.
+    pub fn load_vocab(path: &Path) -> Result<Model> {
+        Self::load(path, &ModelParams { vocab_only: true, ..Default::default() })
+    }
+
     pub fn load(path: &Path, params: &ModelParams) -> Result<Model> {
         init_backend();
         let meta = std::fs::metadata(path).with_context(|| format!("model file {}", path.display()))?;

@@ -6,6 +6,7 @@ mod corpus;
 mod coverage;
 mod decode;
 mod drop_in;
+mod eval;
 mod export;
 mod faults;
 mod fixture;

@@ -1,0 +1,261 @@
+//! `reap-imatrix eval` against upstream `llama-perplexity --kl-divergence` (same pin): the
+//! same model pair, text and settings must give the same figures to the printed precision,
+//! the base log-probs files must be interchangeable, and the cache must be reused or refused
+//! as docs/eval.md says.
+
+use super::util::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Mutex, OnceLock};
+
+/// Four chunks of 128 tokens: 4 × 63 = 252 scored tokens (upstream needs ≥ 100).
+const CTX: &str = "128";
+const CHUNKS: &str = "4";
+
+/// A fixture with a given arch and seed, generated once per test run.
+fn seeded(arch: &str, seed: u32) -> PathBuf {
+    static MADE: OnceLock<Mutex<Vec<(String, PathBuf)>>> = OnceLock::new();
+    let key = format!("{arch}-s{seed}");
+    let mut made = MADE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, p)) = made.iter().find(|(k, _)| *k == key) {
+        return p.clone();
+    }
+    let p = temp_dir(&format!("eval-fixture-{key}")).join(format!("{key}.gguf"));
+    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--seed", &seed.to_string(), "-o"]).arg(&p));
+    made.push((key, p.clone()));
+    p
+}
+
+fn upstream_base(model: &Path, file: &Path, batch: &str) -> Output {
+    run_ok(
+        Command::new(reference_bin("llama-perplexity"))
+            .arg("-m")
+            .arg(model)
+            .arg("-f")
+            .arg(corpus())
+            .args(["-c", CTX, "--chunks", CHUNKS, "-b", batch, "-t", "2", "--kl-divergence-base"])
+            .arg(file),
+    )
+}
+
+fn upstream_kld(model: &Path, file: &Path, batch: &str) -> String {
+    let out = run_ok(
+        Command::new(reference_bin("llama-perplexity"))
+            .arg("-m")
+            .arg(model)
+            .args(["-c", CTX, "-b", batch, "-t", "2", "--kl-divergence", "--kl-divergence-base"])
+            .arg(file),
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("Same top p:"), "upstream printed no statistics:\n{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    text
+}
+
+/// Our eval; returns (output, parsed JSON).
+fn eval(dir: &Path, base: &Path, models: &[&Path], extra: &[&str]) -> (Output, Value) {
+    let json = dir.join("eval.json");
+    let _ = std::fs::remove_file(&json);
+    let list = models.iter().map(|m| m.display().to_string()).collect::<Vec<_>>().join(",");
+    let out = run_ok(
+        eval_cmd(dir, base, extra).args(["--model", &list, "--json"]).arg(&json),
+    );
+    let v: Value = serde_json::from_slice(&read(&json)).unwrap();
+    (out, v)
+}
+
+fn eval_cmd(dir: &Path, base: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(ours());
+    c.env("REAP_IMATRIX_HASH_CACHE", dir.join("hashes.tsv"))
+        .arg("eval")
+        .arg("--base")
+        .arg(base)
+        .arg("-f")
+        .arg(corpus())
+        .args(["-t", "2", "--scratch"])
+        .arg(dir);
+    // the shared settings, unless the test gives its own
+    if !extra.contains(&"-c") {
+        c.args(["-c", CTX]);
+    }
+    if !extra.contains(&"--chunks") {
+        c.args(["--chunks", CHUNKS]);
+    }
+    c.args(extra);
+    c
+}
+
+/// The numbers upstream printed after `label` (e.g. "Mean    KLD:"), as printed text.
+fn printed<'a>(text: &'a str, label: &str) -> Vec<&'a str> {
+    let line = text.lines().find(|l| l.starts_with(label)).unwrap_or_else(|| panic!("no `{label}` line in:\n{text}"));
+    line[label.len()..].split(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-')).filter(|s| s.parse::<f64>().is_ok()).collect()
+}
+
+/// `ours` rounds to `printed` at the printed number of decimals (half a unit in the last
+/// printed digit, with a hair of slack for a value sitting on the rounding boundary).
+fn assert_to_printed(what: &str, ours: f64, printed: &str) {
+    let decimals = printed.split_once('.').map_or(0, |(_, d)| d.len()) as i32;
+    let p: f64 = printed.parse().unwrap();
+    let tol = 0.5 * 10f64.powi(-decimals) * (1.0 + 1e-6);
+    assert!((ours - p).abs() <= tol, "{what}: ours {ours} vs upstream's printed {printed}");
+}
+
+/// Every figure the contract names, against upstream's printed statistics.
+fn assert_matches_upstream(m: &Value, up: &str) {
+    let f = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("no {k} in {m}"));
+    let ppl = printed(up, "Mean PPL(Q)");
+    assert_to_printed("ppl", f("ppl"), ppl[0]);
+    assert_to_printed("ppl_err", f("ppl_err"), ppl[1]);
+    assert_to_printed("base_ppl", f("base_ppl"), printed(up, "Mean PPL(base)")[0]);
+    let kld = printed(up, "Mean    KLD:");
+    assert_to_printed("kld_mean", f("kld_mean"), kld[0]);
+    assert_to_printed("kld_mean_err", f("kld_mean_err"), kld[1]);
+    assert_to_printed("kld_max", f("kld_max"), printed(up, "Maximum KLD:")[0]);
+    assert_to_printed("kld_p999", f("kld_p999"), printed(up, "99.9%   KLD:")[0]);
+    assert_to_printed("kld_p99", f("kld_p99"), printed(up, "99.0%   KLD:")[0]);
+    assert_to_printed("kld_p90", f("kld_p90"), printed(up, "90.0%   KLD:")[0]);
+    assert_to_printed("kld_median", f("kld_median"), printed(up, "Median  KLD:")[0]);
+    let top = printed(up, "Same top p:");
+    assert_to_printed("top1_agree %", 100.0 * f("top1_agree"), top[0]);
+    assert_to_printed("top1_agree_err %", 100.0 * f("top1_agree_err"), top[1]);
+    assert_to_printed("rms_dp %", 100.0 * f("rms_dp"), printed(up, "RMS Δp    :")[0]);
+    // a real difference between the models, not a trivially equal pair
+    assert!(f("kld_mean") > 0.01 && f("top1_agree") < 0.99, "{m}");
+    assert!(f("tokens") >= 100.0);
+}
+
+/// The lines of our stdout that upstream also prints, for the statistics block of one model.
+fn assert_same_labels(ours_stdout: &str, up: &str) {
+    for label in ["Mean PPL(Q)", "Mean PPL(base)", "Mean    KLD:", "99.9%   KLD:", "Median  KLD:", "RMS Δp    :", "Same top p:"] {
+        assert!(ours_stdout.lines().any(|l| l.starts_with(label)), "our output has no `{label}` line");
+        let ours_line = ours_stdout.lines().find(|l| l.starts_with(label)).unwrap();
+        let up_line = up.lines().find(|l| l.starts_with(label)).unwrap();
+        assert_eq!(ours_line.len(), up_line.len(), "`{label}` lines differ in layout:\n{ours_line}\n{up_line}");
+    }
+}
+
+#[test]
+fn eval_matches_llama_perplexity_kl_divergence_and_base_files_are_interchangeable() {
+    let d = temp_dir("eval-parity");
+    let (base, other) = (seeded("qwen3moe", 1), seeded("qwen3moe", 2));
+    // upstream: two passes
+    let up_file = d.join("upstream.kld");
+    upstream_base(&base, &up_file, "2048");
+    let up = upstream_kld(&other, &up_file, "2048");
+    // ours: one run, writing its own base file
+    let ours_file = d.join("ours.kld");
+    let (out, v) = eval(&d, &base, &[&other], &["--base-logits", ours_file.to_str().unwrap()]);
+    let m = &v["models"][0];
+    assert_eq!(v["base"].as_str(), Some(base.to_str().unwrap()));
+    assert_eq!(m["path"].as_str(), Some(other.to_str().unwrap()));
+    assert_eq!(v["forward_passes"], 2);
+    assert_matches_upstream(m, &up);
+    assert_same_labels(&String::from_utf8_lossy(&out.stdout), &up);
+    // the running per-chunk lines (stderr) as upstream prints them
+    let chunk_lines = |t: &str| t.lines().skip_while(|l| !l.starts_with("chunk ")).take(5).map(str::to_string).collect::<Vec<_>>();
+    let ours_chunks = chunk_lines(&String::from_utf8_lossy(&out.stderr));
+    assert_eq!(ours_chunks.len(), 5);
+    assert_eq!(ours_chunks, chunk_lines(&up));
+    // the same forward pass and the same encoding: the files are identical
+    assert_same_bytes(&ours_file, &up_file);
+    // upstream's second pass reads our file
+    let up_on_ours = upstream_kld(&other, &ours_file, "2048");
+    assert_matches_upstream(m, &up_on_ours);
+    // ours reads upstream's file (no sidecar): reused, one forward pass, same figures
+    let (out2, v2) = eval(&d, &base, &[&other], &["--base-logits", up_file.to_str().unwrap()]);
+    assert_eq!(v2["forward_passes"], 1, "{v2}");
+    assert_eq!(v2["base_logits"]["reused"], true);
+    let err = String::from_utf8_lossy(&out2.stderr);
+    assert!(err.contains("reusing base log-probs") && err.contains("not checked"), "{err}");
+    assert_matches_upstream(&v2["models"][0], &up);
+}
+
+#[test]
+fn eval_matches_upstream_with_two_batches_per_chunk_on_qwen2moe() {
+    // -b 64 < -c 128: each chunk is two decode calls (logits gathered across them); qwen2moe
+    // has a shared expert
+    let d = temp_dir("eval-parity-b64");
+    let (base, other) = (seeded("qwen2moe", 1), seeded("qwen2moe", 2));
+    let up_file = d.join("upstream.kld");
+    upstream_base(&base, &up_file, "64");
+    let up = upstream_kld(&other, &up_file, "64");
+    let ours_file = d.join("ours.kld");
+    let (_, v) = eval(&d, &base, &[&other], &["-b", "64", "--base-logits", ours_file.to_str().unwrap()]);
+    assert_matches_upstream(&v["models"][0], &up);
+    assert_same_bytes(&ours_file, &up_file);
+}
+
+#[test]
+fn base_logits_cache_is_reused_and_a_mismatch_is_refused() {
+    let d = temp_dir("eval-cache");
+    let (s1, s2) = (seeded("qwen3moe", 1), seeded("qwen3moe", 2));
+    // A file of seed 2's log-probs (written by upstream, so no sidecar) given as the cache of
+    // a run whose base is seed 1, evaluating seed 1 itself: reused, the figures are those of
+    // seed 1 against seed 2 (a recomputed base would give KLD ≈ 0).
+    let foreign = d.join("s2.kld");
+    upstream_base(&s2, &foreign, "2048");
+    let (_, v) = eval(&d, &s1, &[&s1], &["--base-logits", foreign.to_str().unwrap()]);
+    assert_eq!(v["forward_passes"], 1);
+    assert!(v["models"][0]["kld_mean"].as_f64().unwrap() > 0.1, "the base pass was re-run: {v}");
+
+    // our own file has a sidecar naming its base: another --base is refused, nothing changes
+    let own = d.join("s1.kld");
+    let (_, v) = eval(&d, &s1, &[&s2], &["--base-logits", own.to_str().unwrap()]);
+    assert_eq!(v["forward_passes"], 2);
+    assert!(own.is_file() && d.join("s1.kld.meta.json").is_file());
+    let before = read(&own);
+    let out = run(eval_cmd(&d, &s2, &["--base-logits", own.to_str().unwrap()]).args(["--model"]).arg(&s1));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("another base model") && err.contains("s1.kld"), "{err}");
+    // the same base again: reused (the sidecar's sha256 matches)
+    let (out, v) = eval(&d, &s1, &[&s2], &["--base-logits", own.to_str().unwrap()]);
+    assert_eq!(v["forward_passes"], 1);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sha256 matches"));
+
+    // another text: refused, naming the first differing token; the file is left as it was
+    let text = d.join("other.txt");
+    let mut t = read(&corpus());
+    t.drain(..200);
+    std::fs::write(&text, t).unwrap();
+    let mut c = Command::new(ours());
+    c.env("REAP_IMATRIX_HASH_CACHE", d.join("hashes.tsv"))
+        .args(["eval", "--base"])
+        .arg(&s1)
+        .arg("--model")
+        .arg(&s2)
+        .arg("-f")
+        .arg(&text)
+        .args(["-c", CTX, "--chunks", CHUNKS, "-t", "2", "--base-logits"])
+        .arg(&own);
+    let out = run(&mut c);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("other tokens") && err.contains("nothing was changed"), "{err}");
+    assert_eq!(read(&own), before);
+    // other -c: refused too
+    let out = run(&mut eval_cmd(&d, &s1, &["-c", "64", "--base-logits", own.to_str().unwrap(), "--model", s2.to_str().unwrap()]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("n_ctx 128 (this run: -c 64)"));
+}
+
+#[test]
+fn eval_refuses_bad_input_before_running() {
+    let d = temp_dir("eval-bad");
+    let s1 = seeded("qwen3moe", 1);
+    let missing = d.join("missing.gguf");
+    let out = run(eval_cmd(&d, &s1, &[]).arg("--model").arg(&missing));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("missing.gguf: no such file"));
+    // too few scored tokens for the statistics
+    let out = run(eval_cmd(&d, &s1, &["--chunks", "1"]).arg("--model").arg(&s1));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 100"));
+    // a base-logits file that is not one
+    let junk = d.join("junk.kld");
+    std::fs::write(&junk, b"hello").unwrap();
+    let out = run(eval_cmd(&d, &s1, &["--base-logits", junk.to_str().unwrap()]).arg("--model").arg(&s1));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("junk.kld"));
+    assert_eq!(read(&junk), b"hello");
+}
