@@ -326,6 +326,14 @@ fn layer_from_json(l: &Value) -> Result<LayerSums> {
         a.iter().map(|x| x.as_f64().with_context(|| format!("\"{k}\" holds a non-number"))).collect()
     };
     let opt_floats = |k: &str| if l.get(k).is_some() { floats(k) } else { Ok(vec![0.0; n_expert]) };
+    // the counts first: they are what every other array is checked against
+    let count = {
+        let a = l.get("count").and_then(Value::as_array).context("missing array \"count\"")?;
+        if a.len() != n_expert {
+            bail!("\"count\" has {} values, n_expert is {n_expert}", a.len());
+        }
+        a.iter().map(|x| x.as_u64().with_context(|| format!("\"count\" holds {x}, not a non-negative integer"))).collect::<Result<Vec<u64>>>()?
+    };
     // the reference's statistics come as a group; files from before them have none of the keys
     let reference = if l.get("reap_softmax_l2_sum").is_some() {
         let a = l.get("max_activation").and_then(Value::as_array).context("missing array \"max_activation\"")?;
@@ -339,13 +347,6 @@ fn layer_from_json(l: &Value) -> Result<LayerSums> {
         Some(ReferenceSums { reap_softmax_l2_sum: floats("reap_softmax_l2_sum")?, reap_softmax_l2_sq_sum: floats("reap_softmax_l2_sq_sum")?, max_activation })
     } else {
         None
-    };
-    let count = {
-        let a = l.get("count").and_then(Value::as_array).context("missing array \"count\"")?;
-        if a.len() != n_expert {
-            bail!("\"count\" has {} values, n_expert is {n_expert}", a.len());
-        }
-        a.iter().map(|x| x.as_u64().with_context(|| format!("\"count\" holds {x}, not a non-negative integer"))).collect::<Result<Vec<u64>>>()?
     };
     Ok(LayerSums {
         layer: u("layer")? as u32,

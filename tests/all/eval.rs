@@ -204,7 +204,7 @@ fn base_logits_cache_is_reused_and_a_mismatch_is_refused() {
     assert_eq!(v["forward_passes"], 2);
     assert!(own.is_file() && d.join("s1.kld.meta.json").is_file());
     let before = read(&own);
-    let out = run(eval_cmd(&d, &s2, &["--base-logits", own.to_str().unwrap()]).args(["--model"]).arg(&s1));
+    let out = run(&mut eval_cmd(&d, &s2, &["--base-logits", own.to_str().unwrap()]).args(["--model"]).arg(&s1));
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("another base model") && err.contains("s1.kld"), "{err}");
@@ -244,18 +244,71 @@ fn eval_refuses_bad_input_before_running() {
     let d = temp_dir("eval-bad");
     let s1 = seeded("qwen3moe", 1);
     let missing = d.join("missing.gguf");
-    let out = run(eval_cmd(&d, &s1, &[]).arg("--model").arg(&missing));
+    let out = run(&mut eval_cmd(&d, &s1, &[]).arg("--model").arg(&missing));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("missing.gguf: no such file"));
     // too few scored tokens for the statistics
-    let out = run(eval_cmd(&d, &s1, &["--chunks", "1"]).arg("--model").arg(&s1));
+    let out = run(&mut eval_cmd(&d, &s1, &["--chunks", "1"]).arg("--model").arg(&s1));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 100"));
     // a base-logits file that is not one
     let junk = d.join("junk.kld");
     std::fs::write(&junk, b"hello").unwrap();
-    let out = run(eval_cmd(&d, &s1, &["--base-logits", junk.to_str().unwrap()]).arg("--model").arg(&s1));
+    let out = run(&mut eval_cmd(&d, &s1, &["--base-logits", junk.to_str().unwrap()]).arg("--model").arg(&s1));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("junk.kld"));
     assert_eq!(read(&junk), b"hello");
+}
+
+#[test]
+fn eval_keep_map_equals_eval_of_the_pruned_file() {
+    let d = temp_dir("eval-keep-map");
+    let base = seeded("qwen3moe", 1);
+    // calibrate → select: a real keep map (K = 16 of 32)
+    run_ok(
+        Command::new(ours())
+            .arg("-m")
+            .arg(&base)
+            .arg("-f")
+            .arg(corpus())
+            .args(["-c", "128", "--chunks", "8", "-t", "2", "--no-ppl", "-o"])
+            .arg(d.join("imatrix.gguf")),
+    );
+    run_ok(
+        Command::new(ours())
+            .args(["select", "--reap"])
+            .arg(d.join("imatrix.reap.json"))
+            .args(["--method", "reap_l2_sum,frequency", "--k", "16", "--out-dir"])
+            .arg(d.join("keep")),
+    );
+    let maps = [d.join("keep/keep_reap_l2_sum_k16.json"), d.join("keep/keep_frequency_k16.json")];
+    let cache = d.join("base.kld");
+    let list = format!("{},{}", maps[0].display(), maps[1].display());
+    let json = d.join("maps.json");
+    let out = run_ok(&mut eval_cmd(&d, &base, &["--base-logits", cache.to_str().unwrap(), "--keep-map", &list, "--json", json.to_str().unwrap()]));
+    let via_maps: Value = serde_json::from_slice(&read(&json)).unwrap();
+    assert_eq!(via_maps["forward_passes"], 3, "N + 1 passes");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("====== Models by mean KLD"));
+    // the scratch folder (pruned models) is gone
+    assert!(std::fs::read_dir(&d).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().starts_with("reap-eval-")));
+    // the same maps pruned by hand and evaluated as models: the same figures, bit for bit
+    for (i, map) in maps.iter().enumerate() {
+        let pruned = d.join(format!("pruned{i}.gguf"));
+        run_ok(Command::new(ours()).args(["prune", "-m"]).arg(&base).arg("--keep-map").arg(map).arg("-o").arg(&pruned));
+        let (_, via_model) = eval(&d, &base, &[&pruned], &["--base-logits", cache.to_str().unwrap()]);
+        let (a, b) = (&via_maps["models"][i], &via_model["models"][0]);
+        assert_eq!(a["path"].as_str(), Some(map.to_str().unwrap()));
+        assert_eq!(a["keep_map"].as_str(), Some(map.to_str().unwrap()));
+        for k in ["ppl", "base_ppl", "kld_mean", "kld_mean_err", "kld_max", "kld_p99", "kld_median", "top1_agree", "top1_agree_err", "rms_dp"] {
+            assert_eq!(a[k], b[k], "{k} differs between --keep-map and --model on the pruned file");
+        }
+        // pruning half the experts changes the model
+        assert!(a["kld_mean"].as_f64().unwrap() > 0.0);
+    }
+    // a map prune refuses (K below the 4 experts used per token): exit 2 before any pass
+    let bad = d.join("k2.json");
+    std::fs::write(&bad, r#"{"method":"x","k":2,"layers":[[0,1],[0,1],[0,1],[0,1]]}"#).unwrap();
+    let out = run(&mut eval_cmd(&d, &base, &["--base-logits", cache.to_str().unwrap(), "--keep-map", bad.to_str().unwrap()]));
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("k2.json"));
 }
