@@ -11,10 +11,11 @@
 //! of each reader than random strategies would. `REAP_FUZZ_SCALE=N` multiplies the budget.
 //! A panicking input is written to target/fuzz-findings/ for replay.
 //!
-//! The domains TSV reader (`--domains`) does not exist on this branch yet; add it here.
+//! The domains TSV reader (`--domains`) is seeded from the bundled mix's own domains file.
 
 use reap_imatrix::analyze::select::keep_map::KeepMap;
 use reap_imatrix::fixture::rng::SplitMix64;
+use reap_imatrix::formats::domains::Domains;
 use reap_imatrix::formats::imatrix as imatrix_file;
 use reap_imatrix::formats::manifest::Manifest;
 use reap_imatrix::formats::saliency::Saliency;
@@ -388,4 +389,18 @@ fn imatrix_legacy_reader() {
 #[test]
 fn imatrix_gguf_reader() {
     imatrix_target("imatrix_gguf", "i.gguf", 2_000);
+}
+
+#[test]
+fn domains_reader() {
+    let seed = std::fs::read(repo().join("corpus/mix.domains.tsv")).unwrap();
+    let text_len = std::fs::metadata(repo().join("corpus/mix.txt")).unwrap().len();
+    let hot = seed.iter().position(|&c| c == b'\n').unwrap_or(0) + 200;
+    fuzz("domains", 20_000 * scale(), |m| m.bytes(&seed, hot), |b| {
+        let Ok(text) = std::str::from_utf8(b) else { return false };
+        // a text length near the real one, and a short one that the ranges overrun
+        let ok = Domains::parse(text, "fuzz.tsv", text_len).is_ok();
+        std::hint::black_box(Domains::parse(text, "fuzz.tsv", text_len / 3).is_ok());
+        ok
+    });
 }

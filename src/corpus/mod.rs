@@ -157,7 +157,14 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
         *k = perm.iter().map(|&i| k[i as usize]).collect();
     }
     let flat: Vec<(usize, usize)> = kept.iter().enumerate().flat_map(|(s, k)| k.iter().map(move |&d| (s, d))).collect();
-    let counts = par::map(&flat, |&(s, d)| count_tokens(vocab, &srcs[s].docs[d].1));
+    // documents counted, on the progress line once counting runs longer than about 2 s
+    let bar = crate::progress::start(flat.len() as u64, crate::progress::Unit::Documents).label("corpus: counting tokens");
+    let counts = par::map(&flat, |&(s, d)| {
+        let c = count_tokens(vocab, &srcs[s].docs[d].1);
+        crate::progress::add(1);
+        c
+    });
+    bar.finish();
     let mut queues: Vec<Vec<u64>> = vec![Vec::new(); srcs.len()];
     for (&(s, _), c) in flat.iter().zip(counts) {
         queues[s].push(c?);

@@ -57,6 +57,8 @@ pub fn run_chunks(
     let rows_per_seq = n_ctx - first;
     let mut batch = ctx.batch();
     let mut logits: Vec<f32> = Vec::new();
+    // chunks of this model, on the progress line once the pass runs longer than about 2 s
+    let bar = crate::progress::start(n_chunk as u64, crate::progress::Unit::Chunks { tokens: n_ctx as u64 });
     let mut i = 0;
     while i < n_chunk {
         let start = i * n_ctx;
@@ -90,7 +92,9 @@ pub fn run_chunks(
         }
         logits.clear();
         i += n_seq;
+        crate::progress::add(n_seq_batch as u64);
     }
+    bar.finish();
     Ok(())
 }
 

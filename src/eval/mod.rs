@@ -339,7 +339,7 @@ fn compute_base(base: &Path, setup: &Setup, header: &Header, file: &Path) -> Res
             nlls.iter().for_each(|&v| nll.add_value(v as f64));
             w.write_rows(&rows).with_context(|| format!("writing {}", tmp.display()))?;
             // upstream's running perplexity, [chunk]PPL,
-            eprint!("[{}]{:.4},{}", chunk + 1, nll.ppl(), if chunk + 1 == header.n_chunk as usize { "\n" } else { "" });
+            crate::progress::eprint(&format!("[{}]{:.4},{}", chunk + 1, nll.ppl(), if chunk + 1 == header.n_chunk as usize { "\n" } else { "" }));
             Ok(())
         })?;
         sha = w.finish().with_context(|| format!("writing {}", tmp.display()))?;
@@ -370,9 +370,9 @@ fn compare(path: &Path, setup: &Setup, base_file: &Path) -> Result<stats::Summar
         let terms = each_row(&mut rows, row, threads, |i, r| stats::token_terms(&logits[i * n_vocab..(i + 1) * n_vocab], r, targets[i] as usize));
         terms.iter().for_each(|t| acc.add_terms(t));
         if chunk == 0 {
-            eprintln!("{}", stats::CHUNK_HEADER);
+            crate::progress::eprintln(stats::CHUNK_HEADER);
         }
-        eprintln!("{}", acc.sums.chunk_line(chunk + 1));
+        crate::progress::eprintln(&acc.sums.chunk_line(chunk + 1));
         Ok(())
     })
     .with_context(|| format!("model {}", path.display()))?;

@@ -24,7 +24,11 @@ pub fn write(path: &Path, src: &Mmap, header: &[u8], steps: &[Step], offsets: &[
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
     let _ = src.advise(memmap2::Advice::Sequential);
     let err = || format!("writing {}", path.display());
+    // bytes copied, on the progress line once the copy runs longer than about two seconds
+    let total = header.len() as u64 + steps.iter().map(|s| pad(s.out.nbytes(), alignment)).sum::<u64>();
+    let bar = crate::progress::start(total, crate::progress::Unit::Bytes).label("prune");
     w.write_all(header).with_context(err)?;
+    crate::progress::add(header.len() as u64);
     let mut written = header.len() as u64;
     let zeros = vec![0u8; alignment as usize];
     for (step, &offset) in steps.iter().zip(offsets) {
@@ -45,9 +49,11 @@ pub fn write(path: &Path, src: &Mmap, header: &[u8], steps: &[Step], offsets: &[
         debug_assert_eq!(n, step.out.nbytes());
         let padded = pad(n, alignment);
         w.write_all(&zeros[..(padded - n) as usize]).with_context(err)?;
+        crate::progress::add(padded - n);
         written += padded;
     }
     w.flush().with_context(err)?;
+    bar.finish();
     Ok(written)
 }
 
@@ -59,6 +65,7 @@ fn copy(src: &Mmap, start: usize, len: usize, w: &mut impl Write) -> std::io::Re
     while at < end {
         let next = end.min(at + WINDOW);
         w.write_all(&src[at..next])?;
+        crate::progress::add((next - at) as u64);
         // SAFETY: the map is read-only and private to this process; dropping its pages only
         // makes a later read fault them in again from the file. No slice of the dropped range
         // outlives this call.
