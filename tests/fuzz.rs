@@ -11,11 +11,13 @@
 //! of each reader than random strategies would. `REAP_FUZZ_SCALE=N` multiplies the budget.
 //! A panicking input is written to target/fuzz-findings/ for replay.
 //!
-//! The domains TSV reader (`--domains`) is seeded from the bundled mix's own domains file.
+//! The domains TSV reader (`--domains`) is seeded from the bundled mix's own domains file, and
+//! the GGUF header parser `prune` reads models with from the seed run's fixture model.
 
 use reap_imatrix::analyze::select::keep_map::KeepMap;
 use reap_imatrix::fixture::rng::SplitMix64;
 use reap_imatrix::formats::domains::Domains;
+use reap_imatrix::formats::gguf::Header as GgufHeader;
 use reap_imatrix::formats::imatrix as imatrix_file;
 use reap_imatrix::formats::manifest::Manifest;
 use reap_imatrix::formats::saliency::Saliency;
@@ -402,5 +404,17 @@ fn domains_reader() {
         let ok = Domains::parse(text, "fuzz.tsv", text_len).is_ok();
         std::hint::black_box(Domains::parse(text, "fuzz.tsv", text_len / 3).is_ok());
         ok
+    });
+}
+
+#[test]
+fn gguf_header_parser() {
+    let model = Seeds::get().bytes("m.gguf");
+    let h = GgufHeader::parse(&model).unwrap();
+    let hot = h.data_start as usize;
+    fuzz("gguf_header", 500 * scale(), |m| m.bytes(&model, hot), |b| {
+        let Ok(h) = GgufHeader::parse(b) else { return false };
+        std::hint::black_box((h.uint(b, "qwen3moe.expert_count"), h.string(b, "general.architecture"), h.tensors.iter().map(|t| t.nbytes()).sum::<u64>()));
+        true
     });
 }
