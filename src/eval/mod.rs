@@ -57,6 +57,9 @@ pub struct EvalArgs {
     /// Layers to offload: a number, 'auto' or 'all' [-ngl]
     #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N", default_value = "auto")]
     pub n_gpu_layers: String,
+    /// Comma-separated RPC servers (HOST:PORT) to offload to, with -ngl
+    #[arg(long = "rpc", value_name = "SERVERS")]
+    pub rpc: Option<String>,
     /// Flash attention: on, off, auto [-fa]
     #[arg(long = "flash-attn", value_name = "on|off|auto", default_value = "auto")]
     pub flash_attn: String,
@@ -199,7 +202,10 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         prune::check_available()?;
     }
     let (threads, threads_batch) = thread_counts(args.threads, None);
-    let model_params = model_params_of(&args.n_gpu_layers, &args.load_mode, None)?;
+    if let Some(servers) = &args.rpc {
+        crate::calibrate::validate::rpc_servers(servers)?;
+    }
+    let model_params = model_params_of(&args.n_gpu_layers, &args.load_mode, args.rpc.clone())?;
     let flash_attn = flash_attn_type(&args.flash_attn)?;
 
     // the tokens, by the base's vocabulary (loaded without its weights)

@@ -170,13 +170,21 @@ pub(crate) fn add_rpc_devices(servers: &str) -> Result<()> {
             bail!("--rpc: the RPC backend has no ggml_backend_rpc_add_server");
         }
         let add: unsafe extern "C" fn(*const std::ffi::c_char) -> sys::ggml_backend_reg_t = std::mem::transmute(f);
+        // a process loads several models (eval: the base, then each model): each server is
+        // registered once, or its device would appear twice
+        static ADDED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+        let mut added = ADDED.lock().unwrap_or_else(|e| e.into_inner());
         for s in list {
+            if added.iter().any(|a| a == s) {
+                continue;
+            }
             let ep = CString::new(s).context("--rpc: server name contains a NUL byte")?;
             let r = add(ep.as_ptr());
             if r.is_null() {
                 bail!("--rpc: could not connect to RPC server {s}");
             }
             sys::ggml_backend_register(r);
+            added.push(s.to_string());
         }
     }
     Ok(())
