@@ -49,6 +49,7 @@ fn spawn_in_pty(mut cmd: Command) -> PtyRun {
     assert_eq!(unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), &ws) }, 0);
     let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
     cmd.stdin(Stdio::null()).stdout(slave.try_clone().unwrap()).stderr(slave);
+    default_signals(&mut cmd);
     let child = cmd.spawn().unwrap();
     // our copies of the terminal end close here: reading ends when the child's do
     drop(cmd);

@@ -99,6 +99,23 @@ pub fn ppl_lines(out: &Output) -> Vec<String> {
 pub fn calibrate_cmd(dir: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(ours());
     c.current_dir(dir).arg("-m").arg(fixture("qwen3moe")).arg("-f").arg(corpus()).args(["-t", "1", "--no-ppl", "-o", "i.gguf"]).args(extra);
+    default_signals(&mut c);
+    c
+}
+
+/// The child starts with SIGINT and SIGTERM at their default action. A test run launched in
+/// the background by a non-interactive shell inherits SIGINT ignored, and reap-imatrix keeps an
+/// ignored SIGINT ignored (as `nohup` users expect), so the signal tests would see nothing.
+pub fn default_signals(c: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only async-signal-safe calls (signal(2)) between fork and exec.
+    unsafe {
+        c.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(libc::SIGTERM, libc::SIG_DFL);
+            Ok(())
+        });
+    }
     c
 }
 
