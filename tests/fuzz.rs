@@ -90,7 +90,10 @@ impl Seeds {
             };
             ok(Command::new(bin).args(["fixture", "-o", "m.gguf", "--layers", "2", "--experts", "8", "--experts-used", "2"])
                 .args(["--dead", "1", "--heavy", "1", "--n-embd", "32", "--expert-ffn", "32"]));
-            ok(Command::new(bin).args(["-m", "m.gguf", "-f"]).arg(repo().join("corpus/calibration.txt"))
+            // a relative corpus path: the imatrix records it, and the mutations must not depend on
+            // where the checkout lives (CI's clone found an input that this one did not)
+            std::fs::copy(repo().join("corpus/calibration.txt"), dir.join("calibration.txt")).unwrap();
+            ok(Command::new(bin).args(["-m", "m.gguf", "-f", "calibration.txt"])
                 .args(["-c", "32", "-b", "32", "--chunks", "3", "--no-ppl", "-t", "2", "-o", "i.gguf", "--trace-out", "t.bin", "--trace-top-n", "4"]));
             ok(Command::new(bin).args(["-m", "m.gguf", "--in-file", "i.gguf", "--output-format", "dat", "-o", "i.dat", "--manifest-out", "dat.manifest.json"]));
             ok(Command::new(bin).args(["select", "--reap", "i.reap.json", "--method", "frequency", "--k", "4", "--out-dir", "maps"]));
@@ -270,7 +273,9 @@ fn edit_node(v: &mut Value, n: usize, with: Value, remove: bool) {
 /// Runs `exec` on `iters` inputs from `make`, armed; panics are collected and reported.
 /// `exec` returns whether the reader accepted the input (the rest it refused with an error).
 fn fuzz(name: &str, iters: usize, mut make: impl FnMut(&mut Mutator) -> Vec<u8>, exec: impl Fn(&[u8]) -> bool + std::panic::RefUnwindSafe) {
-    let mut m = Mutator { rng: SplitMix64::new(0x5eed ^ name.len() as u64 * 0x9e37_79b9) };
+    // REAP_FUZZ_SEED varies the mutations for longer hunts; the default is fixed
+    let extra: u64 = std::env::var("REAP_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let mut m = Mutator { rng: SplitMix64::new(0x5eed ^ name.len() as u64 * 0x9e37_79b9 ^ extra.wrapping_mul(0xff51_afd7_ed55_8ccd)) };
     let findings = repo().join("target/fuzz-findings");
     let (mut accepted, mut refused, mut panics) = (0usize, 0usize, Vec::new());
     let t0 = std::time::Instant::now();

@@ -196,6 +196,13 @@ fn load_gguf(path: &Path) -> Result<Loaded> {
             }
         }
         let (kc, ks) = (key(KV_CHUNK_COUNT), key(KV_CHUNK_SIZE));
+        // ggml's typed getters abort on a type mismatch, so the type is checked first
+        for (k, name) in [(kc, KV_CHUNK_COUNT), (ks, KV_CHUNK_SIZE)] {
+            if k != -1 && sys::gguf_get_kv_type(g, k) != sys::GGUF_TYPE_UINT32 {
+                free(g, ctx);
+                bail!("imatrix file {}: key {name} must be a uint32", path.display());
+            }
+        }
         out.chunk_count = if kc != -1 { sys::gguf_get_val_u32(g, kc) as i32 } else { 0 };
         out.chunk_size = if ks != -1 { sys::gguf_get_val_u32(g, ks) as i32 } else { 0 };
         let mut pairs: BTreeMap<String, (Option<*mut sys::ggml_tensor>, Option<*mut sys::ggml_tensor>)> = BTreeMap::new();

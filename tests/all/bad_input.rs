@@ -323,4 +323,13 @@ fn a_damaged_imatrix_is_refused_by_check() {
     refused(&r.tool(&["check", "--reap", "i.reap.json", "--imatrix", "cut.imatrix.gguf"]), &["cut.imatrix.gguf", "not a readable GGUF"]);
     std::fs::write(r.dir.join("junk.imatrix"), b"\x05\x00\x00\x00junk").unwrap();
     refused(&r.tool(&["check", "--reap", "i.reap.json", "--imatrix", "junk.imatrix"]), &["junk.imatrix", "neither GGUF nor a legacy imatrix"]);
+    // a well-formed GGUF whose chunk count has another type: ggml's typed getter would abort
+    // (found by the fuzz target on CI); the int32 keeps every size and offset as it was
+    let key = b"imatrix.chunk_count";
+    let at = good.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(&good[at..at + 4], &4u32.to_le_bytes(), "uint32 type tag after the key");
+    let mut retyped = good.clone();
+    retyped[at..at + 4].copy_from_slice(&5u32.to_le_bytes());
+    std::fs::write(r.dir.join("retyped.imatrix.gguf"), &retyped).unwrap();
+    refused(&r.tool(&["check", "--reap", "i.reap.json", "--imatrix", "retyped.imatrix.gguf"]), &["retyped.imatrix.gguf", "imatrix.chunk_count must be a uint32"]);
 }
