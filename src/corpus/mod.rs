@@ -76,7 +76,11 @@ struct Source {
 #[derive(Default, Clone)]
 struct Stats {
     tokens_target: u64,
+    /// tokens of the counted documents (each at most --max-doc-tokens); all of the source's
+    /// when `all_counted`, else at least the target
     available: u64,
+    counted: u64,
+    all_counted: bool,
     documents: u64,
     truncated: u64,
     duplicates: u64,
@@ -156,26 +160,47 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
         let perm = crate::fixture::rng::Rng::stream(args.seed, &format!("corpus/{}", srcs[s].spec.name)).permutation(k.len());
         *k = perm.iter().map(|&i| k[i as usize]).collect();
     }
-    let flat: Vec<(usize, usize)> = kept.iter().enumerate().flat_map(|(s, k)| k.iter().map(move |&d| (s, d))).collect();
-    // documents counted, on the progress line once counting runs longer than about 2 s
-    let bar = crate::progress::start(flat.len() as u64, crate::progress::Unit::Documents).label("corpus: counting tokens");
-    let counts = par::map(&flat, |&(s, d)| {
-        let c = count_tokens(vocab, &srcs[s].docs[d].1);
-        crate::progress::add(1);
-        c
-    });
-    bar.finish();
+    // token counts, per source in that order, only as far as its target needs: the plan takes
+    // each source's documents in queue order and stops at the target, so the documents after
+    // that are never read (counting everything was most of the command's time)
+    let targets: Vec<u64> = srcs.iter().map(|s| (s.share * args.tokens as f64).round() as u64).collect();
+    let bar = crate::progress::start(0, crate::progress::Unit::Documents).label("corpus: counting tokens");
     let mut queues: Vec<Vec<u64>> = vec![Vec::new(); srcs.len()];
-    for (&(s, _), c) in flat.iter().zip(counts) {
-        queues[s].push(c?);
+    let mut counted_bytes = vec![0u64; srcs.len()];
+    loop {
+        let mut batch: Vec<(usize, usize)> = Vec::new();
+        for s in 0..srcs.len() {
+            let have = mix::available(&queues[s], args.max_doc_tokens);
+            let next = queues[s].len();
+            if have >= targets[s] || next == kept[s].len() {
+                continue;
+            }
+            let bytes_of = |i: usize| srcs[s].docs[kept[s][i]].1.len() as u64;
+            let n = count_batch(targets[s] - have, counted_bytes[s], queues[s].iter().sum(), args.max_doc_tokens, (next..kept[s].len()).map(bytes_of));
+            batch.extend((next..next + n).map(|i| (s, i)));
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let counts = par::map(&batch, |&(s, i)| {
+            let c = count_tokens(vocab, &srcs[s].docs[kept[s][i]].1);
+            crate::progress::add(1);
+            c
+        });
+        for (&(s, i), c) in batch.iter().zip(counts) {
+            queues[s].push(c?);
+            counted_bytes[s] += srcs[s].docs[kept[s][i]].1.len() as u64;
+        }
     }
+    bar.finish();
     let t_count = t0.elapsed();
 
-    let targets: Vec<u64> = srcs.iter().map(|s| (s.share * args.tokens as f64).round() as u64).collect();
     let mut short = Vec::new();
     for s in 0..srcs.len() {
         stats[s].tokens_target = targets[s];
         stats[s].available = mix::available(&queues[s], args.max_doc_tokens);
+        stats[s].counted = queues[s].len() as u64;
+        stats[s].all_counted = queues[s].len() == kept[s].len();
         if stats[s].available < targets[s] {
             short.push(s);
         }
@@ -189,7 +214,7 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
                     "  {}: target {} tokens, available {} ({} documents after {} duplicates and {} eval overlaps dropped){}",
                     src.spec.name,
                     targets[s],
-                    stats[s].available,
+                    if stats[s].all_counted { stats[s].available.to_string() } else { format!(">={}", stats[s].available) },
                     kept[s].len(),
                     stats[s].duplicates,
                     stats[s].eval_overlaps,
@@ -266,7 +291,10 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
             "duplicates_dropped": st.duplicates,
             "eval_overlaps_dropped": st.eval_overlaps,
             "documents_read": src.docs.len(),
-            "tokens_available": st.available,
+            // known only where every document was counted (a source short of its target);
+            // counting stops once the target is covered
+            "tokens_available": if st.all_counted { serde_json::json!(st.available) } else { serde_json::Value::Null },
+            "documents_counted": st.counted,
         })).collect::<Vec<_>>(),
     });
     crate::formats::atomic::write_bytes(&args.output, text.as_bytes()).with_context(|| format!("writing {}", args.output.display()))?;
@@ -325,6 +353,25 @@ fn render_all(docs: Vec<sources::Doc>, template: Option<&str>, what: &str, model
         .collect()
 }
 
+/// How many more documents of a source to count: enough that their bytes, at the bytes per
+/// token seen so far in this source (4 before any is counted), cover `need` tokens with a 20%
+/// margin, and at least 32; a document gives at most `max_doc_tokens`. Counting a little too
+/// much costs little; counting too little costs one more round.
+fn count_batch(need: u64, counted_bytes: u64, counted_tokens: u64, max_doc_tokens: Option<u64>, bytes: impl Iterator<Item = u64>) -> usize {
+    let bytes_per_token = if counted_tokens > 0 { counted_bytes as f64 / counted_tokens as f64 } else { 4.0 };
+    let want = need as f64 * 1.2;
+    let (mut n, mut est) = (0usize, 0.0f64);
+    for b in bytes {
+        if est >= want && n >= 32 {
+            break;
+        }
+        let t = b as f64 / bytes_per_token.max(0.5);
+        est += max_doc_tokens.map_or(t, |m| t.min(m as f64));
+        n += 1;
+    }
+    n
+}
+
 /// A document's tokens in the mix: its trimmed text and the separator after it, with special
 /// tokens parsed (as `--parse-special` calibration reads them), nothing added.
 fn count_tokens(vocab: Vocab<'_>, doc: &str) -> Result<u64> {
@@ -375,8 +422,27 @@ fn print_table(srcs: &[Source], stats: &[Stats], total: u64, target: u64) {
             st.truncated,
             st.duplicates,
             st.eval_overlaps,
-            st.available
+            // counting stopped at the target: the source holds at least this much
+            if st.all_counted { st.available.to_string() } else { format!(">={}", st.available) }
         );
     }
     println!("{:<12} {:>7} {:>10} {:>10}", "total", "", target, total);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_batch;
+
+    #[test]
+    fn a_batch_covers_the_need_with_a_margin_at_the_bytes_per_token_seen() {
+        // 4 bytes per token assumed before any count: 100 tokens need 120 × 4 bytes, at least 32 documents
+        assert_eq!(count_batch(100, 0, 0, None, std::iter::repeat(40).take(1000)), 32);
+        assert_eq!(count_batch(1000, 0, 0, None, std::iter::repeat(40).take(1000)), 120);
+        // 2 bytes per token seen: each 40-byte document counts as 20 tokens
+        assert_eq!(count_batch(1000, 2000, 1000, None, std::iter::repeat(40).take(1000)), 60);
+        // --max-doc-tokens caps what a document gives
+        assert_eq!(count_batch(1000, 2000, 1000, Some(10), std::iter::repeat(40).take(1000)), 120);
+        // never more than there is
+        assert_eq!(count_batch(1_000_000, 0, 0, None, std::iter::repeat(40).take(7)), 7);
+    }
 }

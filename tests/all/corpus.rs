@@ -121,6 +121,13 @@ fn shares_are_true_token_counts_and_every_prefix_is_mixed() {
     assert!(rows.iter().all(|r| r.3 <= 150), "{rows:?}");
     let truncated: u64 = r["sources"].as_array().unwrap().iter().map(|s| s["truncated"].as_u64().unwrap()).sum();
     assert!(truncated > 3, "{r}");
+    // counting stops at the target: at least the documents used were counted, at most those kept
+    for src in r["sources"].as_array().unwrap() {
+        let n = |k: &str| src[k].as_u64().unwrap_or_else(|| panic!("{k}: {src}"));
+        let kept = n("documents_read") - n("duplicates_dropped") - n("eval_overlaps_dropped");
+        assert!(n("documents") <= n("documents_counted") && n("documents_counted") <= kept, "{src}");
+        assert_eq!(src["tokens_available"].is_null(), n("documents_counted") < kept, "{src}");
+    }
     // every prefix (at document boundaries) holds each source within one document of its share
     let mut cum = std::collections::HashMap::new();
     let mut all = 0u64;
