@@ -79,6 +79,7 @@ enum Command {
 
 pub fn main(argv: Vec<OsString>) -> Result<i32> {
     crate::interrupt::install();
+    crate::llama::install_abort_handler();
     let first = argv.get(1).and_then(|a| a.to_str()).unwrap_or("");
     if !subcommands().iter().any(|(n, _)| n == first) {
         return drop_in(argv);

@@ -3,6 +3,7 @@
 //! Everything above this module sees models, contexts, batches and tensor views, never raw
 //! pointers.
 
+mod abort;
 pub mod batch;
 pub mod chat;
 pub mod context;
@@ -32,6 +33,12 @@ pub fn init_backend() {
         // SAFETY: plain global initialisation, guarded by Once.
         unsafe { sys::llama_backend_init() };
     });
+}
+
+/// ggml's aborts (a lost `--rpc` server above all) end the process with a clear message and
+/// the run-failed exit code instead of a backtrace and SIGABRT; see `abort`.
+pub fn install_abort_handler() {
+    abort::install();
 }
 
 /// The llama.cpp revision this binary was built from (from vendor/llama.cpp.pin).

@@ -419,3 +419,38 @@ fn unwritable_outputs_fail_before_computing() {
     }
     assert_eq!(std::fs::read_dir(&d).unwrap().count(), 1, "something was written");
 }
+
+/// `-ngl 99 --rpc` to a local `ggml-rpc-server`: every layer off-host, as on a GPU, so every
+/// tensor the callback reads is copied from a device buffer. The imatrix equals upstream's over
+/// the same server byte for byte; the REAP sums equal our CPU run's to float rounding (the
+/// offloaded graph runs other kernels than the host's, as `eval`'s RPC test measured).
+#[test]
+fn offloaded_through_rpc_is_byte_identical_and_reap_agrees_with_the_cpu() {
+    let server = RpcServer::start();
+    let model = fixture("qwen3moe");
+    let p = run_both("rpc", &model, "imatrix.gguf", &args(&["-c", "128", "-b", "128", "-ngl", "99", "--rpc", &server.endpoint]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+    let cpu = temp_dir("rpc-cpu");
+    run_ok(Command::new(ours()).current_dir(&cpu).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-o", "imatrix.gguf"]).args(args(&["-c", "128", "-b", "128"])));
+    let read = |d: &Path| reap_imatrix::formats::saliency::Saliency::read(&d.join("imatrix.reap.json")).unwrap();
+    let (off, host) = (read(&p.ours_dir), read(&cpu));
+    assert_eq!(off.tokens, host.tokens);
+    let close = |a: &[f64], b: &[f64], what: &str| {
+        for (e, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= 1e-3 * y.abs().max(1e-6), "{what}[{e}]: {x} off-host, {y} on the CPU");
+        }
+    };
+    let mut routed_same = 0;
+    for (a, b) in off.layers.iter().zip(&host.layers) {
+        // a near-tie in the router may pick another expert off-host; the fixture has few
+        if a.count == b.count {
+            routed_same += 1;
+            close(&a.reap_l2_sum, &b.reap_l2_sum, &format!("layer {} reap_l2_sum", a.layer));
+            close(&a.ean_sum, &b.ean_sum, &format!("layer {} ean_sum", a.layer));
+            close(&a.max_l2, &b.max_l2, &format!("layer {} max_l2", a.layer));
+        }
+    }
+    eprintln!("{routed_same} of {} layers routed alike off-host", off.layers.len());
+    assert!(routed_same * 2 >= off.layers.len(), "routing differs in most layers off-host");
+}

@@ -320,22 +320,9 @@ fn eval_keep_map_equals_eval_of_the_pruned_file() {
 fn eval_offloads_through_rpc_with_figures_equal_to_rounding() {
     let d = temp_dir("eval-rpc");
     let (s1, s2) = (seeded("qwen3moe", 1), seeded("qwen3moe", 2));
-    let port = 20000 + (std::process::id() % 20000) as u16;
-    let mut server = Command::new(reference_bin("ggml-rpc-server"))
-        .args(["-H", "127.0.0.1", "-p", &port.to_string(), "-t", "2"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(t0.elapsed().as_secs() < 30, "ggml-rpc-server did not listen on {port}");
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let ep = format!("127.0.0.1:{port}");
-    let (out, off) = eval(&d, &s1, &[&s2], &["-ngl", "99", "--rpc", &ep]);
-    let _ = server.kill();
-    let _ = server.wait();
+    let mut server = RpcServer::start();
+    let (out, off) = eval(&d, &s1, &[&s2], &["-ngl", "99", "--rpc", &server.endpoint]);
+    server.kill();
     let (_, cpu) = eval(&d, &s1, &[&s2], &[]);
     let err = String::from_utf8_lossy(&out.stderr);
     for (k, rel) in [("ppl", 1e-3), ("base_ppl", 1e-3), ("kld_mean", 1e-2), ("kld_median", 5e-2), ("kld_max", 5e-2)] {

@@ -30,6 +30,11 @@ fn assert_consistent(d: &Path, what: &str) {
     assert!(out.status.success(), "{what}: check failed:\n{}", String::from_utf8_lossy(&out.stdout));
 }
 
+/// A calibration with `ARGS` (and `extra`) in `d`, stderr to `stderr`.
+fn start_run(d: &Path, model: &Path, extra: &[&str], stderr: Stdio) -> std::process::Child {
+    Command::new(ours()).current_dir(d).arg("-m").arg(model).arg("-f").arg(corpus()).args(ARGS).args(extra).stdout(Stdio::null()).stderr(stderr).spawn().unwrap()
+}
+
 fn wait_for(p: &Path, child: &mut std::process::Child, what: &str) {
     let t0 = Instant::now();
     while !p.exists() {
@@ -52,17 +57,7 @@ fn sigkill_at_several_moments_leaves_complete_checkpoints() {
     for (i, &ms) in delays.iter().enumerate() {
         let d = temp_dir(&format!("sigkill-{i}"));
         let what = format!("kill {ms} ms after the first checkpoint");
-        let mut child = Command::new(ours())
-            .current_dir(&d)
-            .arg("-m")
-            .arg(&model)
-            .arg("-f")
-            .arg(corpus())
-            .args(ARGS)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut child = start_run(&d, &model, &[], Stdio::null());
         wait_for(&d.join("i.reap.json"), &mut child, &what);
         std::thread::sleep(Duration::from_millis(ms));
         let still_running = child.try_wait().unwrap().is_none();
@@ -124,4 +119,24 @@ fn a_full_disk_stops_the_run_with_the_file_named_and_earlier_checkpoints_intact(
     // no temporary file is left behind by a failed atomic write
     let names: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert!(names.iter().all(|n| !n.contains(".tmp")), "{names:?}");
+}
+
+/// `-ngl 99 --rpc` to a local `ggml-rpc-server` killed mid-run: the error names the server,
+/// the exit code is 1, and the last checkpoint stays complete (`check` passes on it).
+#[test]
+fn a_lost_rpc_server_is_named_and_the_last_checkpoint_stays_intact() {
+    let model = fixture("qwen3moe");
+    let d = temp_dir("rpc-lost");
+    let mut server = RpcServer::start();
+    let mut child = start_run(&d, &model, &["-ngl", "99", "--rpc", &server.endpoint], Stdio::piped());
+    wait_for(&d.join("i.reap.json"), &mut child, "run over RPC");
+    server.kill();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    for want in ["llama.cpp stopped the run", "RPC", &format!("lost the RPC server {}", server.endpoint), "last checkpoint) are intact"] {
+        assert!(err.contains(want), "stderr lacks {want:?}:\n{err}");
+    }
+    assert!(!err.contains("Thread debugging") && !err.contains("backtrace"), "no gdb backtrace:\n{err}");
+    assert_consistent(&d, "server killed mid-run");
 }

@@ -134,3 +134,42 @@ pub fn wait_for_file(child: &mut std::process::Child, path: &Path) {
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
 }
+
+/// Upstream's `ggml-rpc-server` on a free loopback port, killed on drop: tensors offloaded to
+/// it (`-ngl 99 --rpc ENDPOINT`) live off-host, as on a GPU.
+pub struct RpcServer {
+    pub endpoint: String,
+    child: Option<std::process::Child>,
+}
+
+impl RpcServer {
+    pub fn start() -> RpcServer {
+        let port = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap().local_addr().unwrap().port();
+        let child = Command::new(reference_bin("ggml-rpc-server"))
+            .args(["-H", "127.0.0.1", "-p", &port.to_string(), "-t", "2"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(t0.elapsed().as_secs() < 30, "ggml-rpc-server did not listen on {port}");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        RpcServer { endpoint: format!("127.0.0.1:{port}"), child: Some(child) }
+    }
+
+    /// Kills the server now (SIGKILL) and waits for it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RpcServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
