@@ -213,7 +213,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n_or_default(), plan.args.trace_tokens.unwrap_or(u64::MAX)));
         ReapState::new(trace)
     });
-    let mut ctx = Context::new(&model, &ctx_params, CalibrationObserver::new(collector, reap))?;
+    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(model_params(&plan.args)?.n_gpu_layers);
+    crate::llama::expert_stats::set(device_stats);
+    let mut observer = CalibrationObserver::new(collector, reap);
+    observer.expert_stats_on_device = device_stats;
+    let mut ctx = Context::new(&model, &ctx_params, observer)?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
     }
@@ -290,6 +294,16 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         ctx.observer().busy.as_secs_f64(),
         out.chunks_done
     );
+    let copied = crate::llama::tensor::DEVICE_TO_HOST_BYTES.load(std::sync::atomic::Ordering::Relaxed);
+    if copied > 0 {
+        let tokens = (out.chunks_done as u64 * plan.n_ctx as u64).max(1);
+        eprintln!(
+            "collection: {:.1} MiB copied from device buffers ({} bytes per token; expert statistics read {})",
+            copied as f64 / (1u64 << 20) as f64,
+            copied / tokens,
+            if ctx.observer().expert_stats_on_device { "on the device" } else { "from the host copies" }
+        );
+    }
     eprintln!("imatrix written to {}", plan.args.output_file.display());
     if let (Some(p), Some(s)) = (&plan.reap_out, ctx.observer().saliency().filter(|s| !s.layers.is_empty())) {
         eprintln!("REAP saliency written to {} ({} MoE layers, {} tokens)", p.display(), s.layers.len(), s.tokens);

@@ -54,6 +54,9 @@ pub struct CalibrationObserver {
     pub interrupted: bool,
     /// tokens of the ubatches started so far (all of them complete when the run is interrupted)
     pub tokens_begun: u64,
+    /// graphs carry the device-side expert statistics (patch 0001, `llama::expert_stats`):
+    /// a layer whose expert outputs are off-host is read through them
+    pub expert_stats_on_device: bool,
     /// read the matmul inputs for the imatrix (true for calibration; `trace-decode` wants
     /// routing only)
     pub collect_imatrix: bool,
@@ -66,11 +69,26 @@ const TOPK: &str = "ffn_moe_topk";
 const WEIGHTED: &str = "ffn_moe_weighted";
 /// the final norm: after it only the output projection (the logits) remains
 const RESULT_NORM: &str = "result_norm";
+/// patch 0001's per-slot statistics of the experts' outputs, computed on the device
+const EXPERT_NORM: &str = "ffn_moe_down_norm";
+const EXPERT_MAX: &str = "ffn_moe_down_max";
 /// the experts' outputs, under whichever name the graph gave them last
 const EXPERT_OUT: [&str; 3] = ["ffn_moe_down", "ffn_moe_down_scaled", "ffn_moe_down_biased"];
 
 fn expert_out_layer(name: &str) -> Option<usize> {
     EXPERT_OUT.iter().find_map(|p| layer_of(name, p))
+}
+
+/// The expert outputs a patch-0001 statistics node was computed from (a few `src[0]` steps up).
+fn stats_source(node: Node<'_>) -> Option<Node<'_>> {
+    let mut n = node.src(0)?;
+    for _ in 0..3 {
+        if expert_out_layer(n.name()).is_some() {
+            return Some(n);
+        }
+        n = n.src(0)?;
+    }
+    expert_out_layer(n.name()).is_some().then_some(n)
 }
 /// The token-embedding lookup (`GET_ROWS` of `inp_tokens`) opens every ubatch's graph.
 fn is_ubatch_start(node: Node<'_>) -> bool {
@@ -91,6 +109,7 @@ impl CalibrationObserver {
             interrupted: false,
             tokens_begun: 0,
             collect_imatrix: true,
+            expert_stats_on_device: false,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -181,6 +200,21 @@ impl CalibrationObserver {
             match r.sums.slot(block) {
                 None => Err(format!("{name} came before ffn_moe_probs-{block}")),
                 Some(s) => r.sums.on_topk(s, &t, data),
+            }
+        } else if let Some(block) = layer_of(name, EXPERT_NORM) {
+            let t = node.info();
+            let Some(f) = stats_source(node) else { return self.fail(format!("{name}: not computed from an expert output")) };
+            let data = node.bytes(&mut self.scratch_a);
+            match r.sums.slot(block) {
+                None => Err(format!("{name}: routing of layer {block} was not seen first")),
+                Some(s) => r.sums.on_expert_norms(s, &t, data, f.name()),
+            }
+        } else if let Some(block) = layer_of(name, EXPERT_MAX) {
+            let t = node.info();
+            let data = node.bytes(&mut self.scratch_a);
+            match r.sums.slot(block) {
+                None => Err(format!("{name}: routing of layer {block} was not seen first")),
+                Some(s) => r.sums.on_expert_maxes(s, &t, data),
             }
         } else if let Some(block) = expert_out_layer(name) {
             let t = node.info();
@@ -278,7 +312,7 @@ impl GraphObserver for CalibrationObserver {
         if is_ubatch_start(node) {
             return true;
         }
-        if self.reap.is_some() && is_reap_node(node) {
+        if self.reap.is_some() && self.reap_reads(node) {
             return true;
         }
         if !self.collect_imatrix {
@@ -318,10 +352,24 @@ impl CalibrationObserver {
             }
         }
         // ffn_moe_down is a MUL_MAT_ID: its input feeds the imatrix, its output REAP
-        if self.reap.is_some() && is_reap_node(node) {
+        if self.reap.is_some() && self.reap_reads(node) {
             return self.observe_reap(node);
         }
         true
+    }
+
+    /// Whether REAP reads this node. A layer's expert outputs are read in place on the host;
+    /// off-host, with the device statistics in the graph, their `[1, k, T]` norm and max
+    /// nodes are read instead of the whole `[n_embd, k, T]` outputs.
+    fn reap_reads(&self, node: Node<'_>) -> bool {
+        let name = node.name();
+        if layer_of(name, EXPERT_NORM).is_some() || layer_of(name, EXPERT_MAX).is_some() {
+            return self.expert_stats_on_device && stats_source(node).is_some_and(|f| !f.is_host());
+        }
+        if expert_out_layer(name).is_some() {
+            return !(self.expert_stats_on_device && !node.is_host());
+        }
+        is_reap_node(node)
     }
 }
 

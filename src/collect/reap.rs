@@ -64,6 +64,13 @@ pub struct ReapCollector {
     pub domains: Option<DomainSplit>,
 }
 
+fn check_slot_stats(t: &TensorInfo, k: usize) -> Result<(), String> {
+    if t.ne[0] != 1 || t.ne[1] as usize != k || t.ty != crate::llama::sys::GGML_TYPE_F32 {
+        return Err(format!("{}: expected f32 [1, {k}, T], got type {} {:?}", t.name, t.ty, t.ne));
+    }
+    Ok(())
+}
+
 /// The MoE layer index from a node name such as `ffn_moe_topk-12`.
 pub fn layer_of(name: &str, prefix: &str) -> Option<usize> {
     name.strip_prefix(prefix)?.strip_prefix('-')?.parse().ok()
@@ -171,6 +178,37 @@ impl ReapCollector {
                 };
                 r.norms.push(ss.sqrt());
                 r.maxes.push(mx);
+            }
+        }
+        Ok(())
+    }
+
+    /// `ffn_moe_down_norm-L` (patch 0001): ‖f‖₂ per slot, `[1, k, T]` f32, computed on the
+    /// device from the outputs named `from` (f32 sums there, so equal to `on_expert_out`'s to
+    /// float rounding).
+    pub fn on_expert_norms(&mut self, slot: usize, t: &TensorInfo, data: &[u8], from: &str) -> Result<(), String> {
+        let k = self.layers[slot].n_expert_used;
+        check_slot_stats(t, k)?;
+        let r = &mut self.routing[slot];
+        r.norms.clear();
+        r.norms_from = from.to_string();
+        for tok in 0..t.ne[2] {
+            for s in 0..k as i64 {
+                r.norms.push(read_f32(data, t.offset([0, s, tok, 0])) as f64);
+            }
+        }
+        Ok(())
+    }
+
+    /// `ffn_moe_down_max-L` (patch 0001): the largest element of each slot's output, `[1, k, T]`.
+    pub fn on_expert_maxes(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        let k = self.layers[slot].n_expert_used;
+        check_slot_stats(t, k)?;
+        let r = &mut self.routing[slot];
+        r.maxes.clear();
+        for tok in 0..t.ne[2] {
+            for s in 0..k as i64 {
+                r.maxes.push(read_f32(data, t.offset([0, s, tok, 0])));
             }
         }
         Ok(())

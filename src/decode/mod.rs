@@ -137,8 +137,11 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
     let reap = (!args.no_trace).then(|| ReapState::new(Some(TraceRows::new(args.trace_top_n, u64::MAX))));
     // the imatrix collector is required by the observer but switched off: routing only
     let imatrix = ImatrixCollector::new(ImatrixConfig { chunk_size: n_ctx as i32, out_freq: i32::MAX, save_freq: 0, process_output: false }, Imatrix::default());
+    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(parse_ngl(&args.n_gpu_layers)?);
+    crate::llama::expert_stats::set(device_stats);
     let mut observer = CalibrationObserver::new(imatrix, reap);
     observer.collect_imatrix = false;
+    observer.expert_stats_on_device = device_stats;
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
     let sampling = if args.temp > 0.0 { Sampling::Temperature { temp: args.temp, seed: args.seed } } else { Sampling::Greedy };
     let mut sampler = Sampler::new(sampling);

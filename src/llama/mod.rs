@@ -8,6 +8,7 @@ pub mod batch;
 pub mod chat;
 pub mod context;
 pub mod eval_callback;
+pub mod expert_stats;
 pub mod log;
 pub mod model;
 pub mod sampler;

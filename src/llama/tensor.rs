@@ -110,8 +110,13 @@ impl<'a> Node<'a> {
             return unsafe { std::slice::from_raw_parts(t.data as *const u8, n) };
         }
         scratch.resize(n, 0);
+        DEVICE_TO_HOST_BYTES.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: copying nbytes out of a live tensor into a buffer of that size.
         unsafe { sys::ggml_backend_tensor_get(self.raw, scratch.as_mut_ptr().cast(), 0, n) };
         &scratch[..]
     }
 }
+
+/// Bytes copied from device buffers by [`Node::bytes`] in this process (0 on a host-only run):
+/// what observing an offloaded graph costs in transfers.
+pub static DEVICE_TO_HOST_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

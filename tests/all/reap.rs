@@ -303,3 +303,45 @@ fn independent_computation(arch: &str, normalised: bool) {
         assert_eq!(lay.router_prob_sum, lay.prob_sum, "{arch}");
     }
 }
+
+/// Patch 0001 over a local `ggml-rpc-server` (`-ngl 99`: the expert outputs live off-host, as
+/// on a GPU): reading the device-side `[1, k, T]` norm and max nodes instead of the whole
+/// outputs gives the host computation's sums to float rounding (f32 sums on the device, f64 on
+/// the host: close, and not all bit-equal, which shows the device path was taken), the same
+/// counts, maxima bit for bit, and an unchanged imatrix.
+#[test]
+fn device_expert_stats_equal_the_host_computation_to_rounding() {
+    let server = RpcServer::start();
+    let model = fixture("qwen3moe");
+    let run_with = |how: &str| {
+        let d = temp_dir(&format!("expert-stats-{how}"));
+        let out = run(
+            Command::new(ours())
+                .current_dir(&d)
+                .env("REAP_EXPERT_STATS", how)
+                .arg("-m")
+                .arg(&model)
+                .arg("-f")
+                .arg(corpus())
+                .args(["-t", "2", "--no-ppl", "-o", "i.gguf", "-c", "128", "-b", "128", "--chunks", "4", "-ngl", "99", "--rpc", &server.endpoint]),
+        );
+        assert!(out.status.success(), "{how}: {}", String::from_utf8_lossy(&out.stderr));
+        d
+    };
+    let (dev, host) = (run_with("device"), run_with("host"));
+    assert_same_bytes(&dev.join("i.gguf"), &host.join("i.gguf"));
+    let (a, b) = (Saliency::read(&dev.join("i.reap.json")).unwrap(), Saliency::read(&host.join("i.reap.json")).unwrap());
+    let mut differing = 0;
+    for (la, lb) in a.layers.iter().zip(&b.layers) {
+        assert_eq!(la.count, lb.count, "layer {}", la.layer);
+        for (what, x, y) in [("reap_l2_sum", &la.reap_l2_sum, &lb.reap_l2_sum), ("ean_sum", &la.ean_sum, &lb.ean_sum), ("max_l2", &la.max_l2, &lb.max_l2)] {
+            for (e, (p, q)) in x.iter().zip(y).enumerate() {
+                assert!((p - q).abs() <= 1e-5 * q.abs(), "layer {} {what}[{e}]: device {p}, host {q}", la.layer);
+                differing += (p != q) as usize;
+            }
+        }
+        let (ra, rb) = (la.reference.as_ref().unwrap(), lb.reference.as_ref().unwrap());
+        assert_eq!(ra.max_activation, rb.max_activation, "layer {} max_activation", la.layer);
+    }
+    assert!(differing > 0, "device and host sums are bit-identical: the device statistics were not read");
+}
