@@ -270,11 +270,21 @@ fn edit_node(v: &mut Value, n: usize, with: Value, remove: bool) {
     }
 }
 
+/// ggml's reader logs every refused input to stderr (thousands of lines per target); in a
+/// failing CI run they bury the verdict, so the fuzz targets silence it.
+fn quiet_ggml() {
+    unsafe extern "C" fn drop_line(_: reap_imatrix::llama::sys::ggml_log_level, _: *const std::ffi::c_char, _: *mut std::ffi::c_void) {}
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: installs a callback that ignores its arguments and lives for the whole program.
+    ONCE.call_once(|| unsafe { reap_imatrix::llama::sys::ggml_log_set(Some(drop_line), std::ptr::null_mut()) });
+}
+
 /// Runs `exec` on `iters` inputs from `make`, armed; panics are collected and reported.
 /// `exec` returns whether the reader accepted the input (the rest it refused with an error).
 fn fuzz(name: &str, iters: usize, mut make: impl FnMut(&mut Mutator) -> Vec<u8>, exec: impl Fn(&[u8]) -> bool + std::panic::RefUnwindSafe) {
     // REAP_FUZZ_SEED varies the mutations for longer hunts; the default is fixed
     let extra: u64 = std::env::var("REAP_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    quiet_ggml();
     let mut m = Mutator { rng: SplitMix64::new(0x5eed ^ name.len() as u64 * 0x9e37_79b9 ^ extra.wrapping_mul(0xff51_afd7_ed55_8ccd)) };
     let findings = repo().join("target/fuzz-findings");
     let (mut accepted, mut refused, mut panics) = (0usize, 0usize, Vec::new());
