@@ -4,6 +4,7 @@
 //! subcommand (`fixture`, …) switches to that tool.
 
 pub mod argv;
+pub mod device;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

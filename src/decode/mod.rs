@@ -17,7 +17,7 @@ use crate::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig};
 use crate::collect::trace_rows::{BatchLayout, SeqSpan, TraceRows};
 use crate::error::UsageError;
 use crate::formats::trace::{FLAG_DECODE, PHASE_DECODE, PHASE_PREFILL};
-use crate::llama::{self, Context, ContextParams, Model, ModelParams, Sampler, Sampling};
+use crate::llama::{self, Context, ContextParams, Model, Sampler, Sampling};
 use anyhow::{bail, Context as _, Result};
 use prompts::PromptBody;
 use serde_json::json;
@@ -57,12 +57,8 @@ pub struct TraceDecodeArgs {
     /// CPU threads (-1: all cores)
     #[arg(short = 't', long = "threads", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub threads: i32,
-    /// Layers to offload: a number, 'auto' or 'all' [-ngl]
-    #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N", default_value = "auto")]
-    pub n_gpu_layers: String,
-    /// Flash attention: on, off or auto [-fa]
-    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value = "auto")]
-    pub flash_attn: String,
+    #[command(flatten)]
+    pub device: crate::cli::device::DeviceArgs,
     /// The routing trace to write
     #[arg(long = "trace-out", value_name = "FILE", required_unless_present = "no_trace")]
     pub trace_out: Option<PathBuf>,
@@ -104,7 +100,8 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
     if let Some(p) = &args.trace_out {
         crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("--trace-out {e}")))?;
     }
-    let model = Model::load(&args.model, &ModelParams { n_gpu_layers: parse_ngl(&args.n_gpu_layers)?, ..Default::default() })?;
+    let (model_params, flash_attn) = args.device.validate()?;
+    let model = Model::load(&args.model, &model_params)?;
     let seqs = tokenize(args, &model, &prompts)?;
     let need = seqs.iter().map(|s| s.tokens.len() + args.n_predict.saturating_sub(1)).max().unwrap_or(1);
     let n_ctx = if args.ctx_size == 0 { need as u32 } else { args.ctx_size };
@@ -132,12 +129,12 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
         n_seq_max: 1,
         n_threads: threads,
         n_threads_batch: threads,
-        flash_attn: parse_flash_attn(&args.flash_attn)?,
+        flash_attn,
     };
     let reap = (!args.no_trace).then(|| ReapState::new(Some(TraceRows::new(args.trace_top_n, u64::MAX))));
     // the imatrix collector is required by the observer but switched off: routing only
     let imatrix = ImatrixCollector::new(ImatrixConfig { chunk_size: n_ctx as i32, out_freq: i32::MAX, save_freq: 0, process_output: false }, Imatrix::default());
-    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(parse_ngl(&args.n_gpu_layers)?);
+    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(model_params.n_gpu_layers);
     crate::llama::expert_stats::set(device_stats);
     let mut observer = CalibrationObserver::new(imatrix, reap);
     observer.collect_imatrix = false;
@@ -295,19 +292,3 @@ fn report(ctx: &Context<'_, CalibrationObserver>, t: &Timing, args: &TraceDecode
     }
 }
 
-fn parse_ngl(s: &str) -> Result<i32> {
-    Ok(match s {
-        "auto" => -1,
-        "all" => -2,
-        n => n.parse().map_err(|_| UsageError(format!("-ngl: expected a number, 'auto' or 'all', got '{n}'")))?,
-    })
-}
-
-fn parse_flash_attn(s: &str) -> Result<i32> {
-    Ok(match s {
-        "on" | "enabled" | "1" | "true" => llama::sys::LLAMA_FLASH_ATTN_TYPE_ENABLED,
-        "off" | "disabled" | "0" | "false" => llama::sys::LLAMA_FLASH_ATTN_TYPE_DISABLED,
-        "auto" | "-1" => llama::sys::LLAMA_FLASH_ATTN_TYPE_AUTO,
-        v => bail!(UsageError(format!("unknown value for --flash-attn: '{v}'"))),
-    })
-}

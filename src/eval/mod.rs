@@ -11,7 +11,7 @@ pub mod prune;
 pub mod report;
 pub mod stats;
 
-use crate::calibrate::{flash_attn_type, model_params_of, thread_counts};
+use crate::calibrate::thread_counts;
 use crate::error::UsageError;
 use crate::formats::atomic;
 use crate::formats::base_logits::{self, Header};
@@ -54,18 +54,8 @@ pub struct EvalArgs {
     /// CPU threads (-1 = all cores)
     #[arg(short = 't', long = "threads", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub threads: i32,
-    /// Layers to offload: a number, 'auto' or 'all' [-ngl]
-    #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N", default_value = "auto")]
-    pub n_gpu_layers: String,
-    /// Comma-separated RPC servers (HOST:PORT) to offload to, with -ngl
-    #[arg(long = "rpc", value_name = "SERVERS")]
-    pub rpc: Option<String>,
-    /// Flash attention: on, off, auto [-fa]
-    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value = "auto")]
-    pub flash_attn: String,
-    /// Model loading mode: auto, none, mmap, mlock, mmap+mlock, dio [-lm]
-    #[arg(long = "load-mode", value_name = "MODE", default_value = "auto")]
-    pub load_mode: String,
+    #[command(flatten)]
+    pub device: crate::cli::device::DeviceArgs,
     /// The base's log-probs (llama-perplexity --kl-divergence-base format): written when missing, reused when it matches
     #[arg(long = "base-logits", value_name = "FILE")]
     pub base_logits: Option<PathBuf>,
@@ -202,11 +192,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         prune::check_available()?;
     }
     let (threads, threads_batch) = thread_counts(args.threads, None);
-    if let Some(servers) = &args.rpc {
-        crate::calibrate::validate::rpc_servers(servers)?;
-    }
-    let model_params = model_params_of(&args.n_gpu_layers, &args.load_mode, args.rpc.clone())?;
-    let flash_attn = flash_attn_type(&args.flash_attn)?;
+    let (model_params, flash_attn) = args.device.validate()?;
 
     // the tokens, by the base's vocabulary (loaded without its weights)
     let n_ctx = args.ctx_size as usize;
@@ -260,7 +246,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
     let scratch = Scratch::new(args.scratch.as_deref())?;
     let base_file = args.base_logits.clone().unwrap_or_else(|| scratch.0.join("base.logits"));
     let settings = json!({
-        "batch": layout.n_batch, "ubatch": args.ubatch_size, "flash_attn": args.flash_attn, "n_gpu_layers": args.n_gpu_layers,
+        "batch": layout.n_batch, "ubatch": args.ubatch_size, "flash_attn": args.device.flash_attn, "n_gpu_layers": args.device.n_gpu_layers,
     });
     let base_sha = || crate::formats::sha256::cached_sha256_file(&args.base).with_context(|| format!("hashing {}", args.base.display()));
     let mut forward_passes = 0;

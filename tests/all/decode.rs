@@ -247,3 +247,25 @@ fn bad_inputs_are_refused_by_name() {
     fails(&prompts_file(&dir), &["-c", "8", "-n", "16"], "need a context of");
     assert!(!dir.join("t.bin").exists(), "nothing is written for refused input");
 }
+
+/// `-ngl 99 --rpc` (every layer off-host, the device-side expert statistics read): the decode
+/// trace passes `check`, and its prefill rows have what the CPU run's have.
+#[test]
+fn trace_decode_offloads_through_rpc() {
+    let server = RpcServer::start();
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-rpc");
+    let (off, cpu) = (dir.join("off.bin"), dir.join("cpu.bin"));
+    let gens = trace_decode(&model, &prompts_file(&dir), &off, &["-n", "4", "-ngl", "99", "--rpc", &server.endpoint]);
+    let gens_cpu = trace_decode(&model, &prompts_file(&dir), &cpu, &["-n", "4"]);
+    let out = run(Command::new(ours()).args(["check", "--trace"]).arg(&off));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let prompt_tokens = |g: &[Value]| g.iter().map(|g| g["prompt_tokens"].as_u64().unwrap()).collect::<Vec<_>>();
+    assert_eq!(prompt_tokens(&gens), prompt_tokens(&gens_cpu));
+    let (a, b) = (reap_imatrix::formats::trace::TraceReader::open(&off).unwrap(), reap_imatrix::formats::trace::TraceReader::open(&cpu).unwrap());
+    let first = (0..b.n_rows).take_while(|&i| b.row(i).phase() == 0).count() as u64;
+    for i in 0..first {
+        let (ra, rb) = (a.row(i), b.row(i));
+        assert_eq!((ra.chunk(), ra.pos(), ra.token()), (rb.chunk(), rb.pos(), rb.token()), "row {i}");
+    }
+}

@@ -1,0 +1,32 @@
+//! Where the model runs: the flags `eval` and `trace-decode` share with llama.cpp's tools
+//! (the drop-in calibration has the same ones in its upstream-shaped parser).
+
+use crate::calibrate::{flash_attn_type, model_params_of};
+use crate::llama::ModelParams;
+use anyhow::Result;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// Layers to offload: a number, 'auto' or 'all' [-ngl]
+    #[arg(long = "n-gpu-layers", visible_alias = "gpu-layers", value_name = "N", default_value = "auto")]
+    pub n_gpu_layers: String,
+    /// Comma-separated RPC servers (HOST:PORT) to offload to, with -ngl
+    #[arg(long = "rpc", value_name = "SERVERS")]
+    pub rpc: Option<String>,
+    /// Flash attention: on, off, auto [-fa]
+    #[arg(long = "flash-attn", value_name = "on|off|auto", default_value = "auto")]
+    pub flash_attn: String,
+    /// Model loading mode: auto, none, mmap, mlock, mmap+mlock, dio [-lm]
+    #[arg(long = "load-mode", value_name = "MODE", default_value = "auto")]
+    pub load_mode: String,
+}
+
+impl DeviceArgs {
+    /// Checks the flags and that every `--rpc` server answers, before any model is loaded.
+    pub fn validate(&self) -> Result<(ModelParams, i32)> {
+        if let Some(servers) = &self.rpc {
+            crate::calibrate::validate::rpc_servers(servers)?;
+        }
+        Ok((model_params_of(&self.n_gpu_layers, &self.load_mode, self.rpc.clone())?, flash_attn_type(&self.flash_attn)?))
+    }
+}
