@@ -124,6 +124,11 @@ pub struct ImatrixArgs {
     #[arg(long = "no-reap", help_heading = "REAP")]
     pub no_reap: bool,
 
+    /// fast mode for offloaded layers: Σx² reduced on the device, only the sums copied to the
+    /// host (not byte-identical to upstream; see docs/gpu.md)
+    #[arg(long = "imatrix-on-device")]
+    pub imatrix_on_device: bool,
+
     /// binary routing trace (off unless given); see docs/formats.md
     #[arg(long = "trace-out", value_name = "PATH", help_heading = "REAP")]
     pub trace_out: Option<PathBuf>,

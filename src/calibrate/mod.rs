@@ -217,6 +217,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     crate::llama::expert_stats::set(device_stats);
     let mut observer = CalibrationObserver::new(collector, reap);
     observer.expert_stats_on_device = device_stats;
+    if plan.args.imatrix_on_device {
+        observer.reducer = Some(crate::llama::reduce::DeviceReducer::default());
+    }
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);

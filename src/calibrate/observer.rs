@@ -57,6 +57,8 @@ pub struct CalibrationObserver {
     /// graphs carry the device-side expert statistics (patch 0001, `llama::expert_stats`):
     /// a layer whose expert outputs are off-host is read through them
     pub expert_stats_on_device: bool,
+    /// `--imatrix-on-device`: inputs of off-host matmuls are reduced where they live
+    pub reducer: Option<crate::llama::reduce::DeviceReducer>,
     /// read the matmul inputs for the imatrix (true for calibration; `trace-decode` wants
     /// routing only)
     pub collect_imatrix: bool,
@@ -110,6 +112,7 @@ impl CalibrationObserver {
             tokens_begun: 0,
             collect_imatrix: true,
             expert_stats_on_device: false,
+            reducer: None,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -382,6 +385,18 @@ impl CalibrationObserver {
             return true; // asked for REAP only
         }
         let s1 = src1.info();
+        if let Some(red) = self.reducer.as_mut().filter(|_| !src1.is_host()) {
+            let n_mat = src0.info().ne[2] * src0.info().ne[3];
+            let result = if op == sys::GGML_OP_MUL_MAT_ID {
+                let Some(ids) = node.src(2) else { return self.fail(format!("{wname}: MUL_MAT_ID without ids")) };
+                red.by_expert(src1, ids, src0.info().ne[2]).map_err(|e| format!("{wname}: {e:#}")).and_then(|r| self.imatrix.add_reduced(&wname, s1.ne[0], src0.info().ne[2], &r.sums, &r.counts))
+            } else if n_mat == 1 && s1.ty == sys::GGML_TYPE_F32 {
+                red.dense(src1).map_err(|e| format!("{wname}: {e:#}")).and_then(|r| self.imatrix.add_reduced(&wname, s1.ne[0], 0, &r.sums, &r.counts))
+            } else {
+                Err(format!("{wname}: --imatrix-on-device handles one weight matrix per node, this one has {n_mat}"))
+            };
+            return self.after_collect(result);
+        }
         if s1.nb[0] != 4 || s1.ty != sys::GGML_TYPE_F32 {
             return self.fail(format!("{wname}: input is not contiguous f32 (type {}, nb0 {})", s1.ty, s1.nb[0]));
         }
@@ -393,6 +408,10 @@ impl CalibrationObserver {
         } else {
             self.imatrix.collect_mul_mat(&wname, src0.info().ne, &s1, data)
         };
+        self.after_collect(result)
+    }
+
+    fn after_collect(&mut self, result: Result<(), String>) -> bool {
         if let Err(e) = result {
             return self.fail(e);
         }

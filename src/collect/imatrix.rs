@@ -171,6 +171,46 @@ impl ImatrixCollector {
         Ok(())
     }
 
+    /// Adds sums reduced on the device (`--imatrix-on-device`): `n_as` 0 for a dense matmul
+    /// (`sums` `[n_in]`, `counts` `[rows]`), else `sums` `[n_as][n_in]` and `counts` `[n_as]`.
+    /// The same entries, counts and checkpoint rule as the exact path; only the order of the
+    /// f32 additions differs.
+    pub fn add_reduced(&mut self, wname: &str, n_in: i64, n_as: i64, sums: &[f32], counts: &[f32]) -> Result<(), String> {
+        let n_rows = n_as.max(1);
+        if sums.len() as i64 != n_in * n_rows || counts.len() as i64 != n_rows {
+            return Err(format!("{wname}: reduced shapes {} and {} for {n_in} × {n_rows}", sums.len(), counts.len()));
+        }
+        let e = self.state.stats.entry(wname.to_string()).or_default();
+        if n_as > 0 && e.counts.len() == 1 && n_as > 1 {
+            let c = e.counts[0];
+            e.counts.resize(n_as as usize, c);
+        }
+        if n_as == 0 && e.counts.len() > 1 && e.counts.iter().all(|&c| c == e.counts[0]) {
+            e.counts.truncate(1);
+        }
+        if e.values.is_empty() {
+            e.values = vec![0.0; sums.len()];
+            e.counts = vec![0; n_rows as usize];
+        } else if e.values.len() != sums.len() || e.counts.len() != n_rows as usize {
+            return Err(format!("inconsistent size for {wname} ({} vs {})", e.values.len(), sums.len()));
+        }
+        for (v, s) in e.values.iter_mut().zip(sums) {
+            *v += s;
+        }
+        for (c, &n) in e.counts.iter_mut().zip(counts) {
+            *c += n.round() as i64;
+        }
+        if !e.values.iter().all(|v| v.is_finite()) {
+            self.error = Some(NonFinite { tensor: wname.to_string() });
+            return Ok(());
+        }
+        let counts = e.counts.clone();
+        for c in counts {
+            self.maybe_checkpoint(c);
+        }
+        Ok(())
+    }
+
     /// Upstream's checkpoint rule, evaluated after each count update.
     fn maybe_checkpoint(&mut self, count: i64) {
         let n_chunk = (count / self.cfg.chunk_size as i64) as i32;

@@ -72,6 +72,11 @@ impl<'a> Node<'a> {
         unsafe { &*self.raw }
     }
 
+    /// The tensor itself, for building graphs that read it (`reduce`).
+    pub(crate) fn as_ptr(&self) -> *mut sys::ggml_tensor {
+        self.raw as *mut sys::ggml_tensor
+    }
+
     pub fn name(&self) -> &'a str {
         // SAFETY: ggml names are NUL-terminated fixed arrays inside the tensor.
         unsafe { CStr::from_ptr(self.t().name.as_ptr()) }.to_str().unwrap_or("")

@@ -1,0 +1,235 @@
+//! The fast imatrix mode (`--imatrix-on-device`): Σx² of a matmul's input, reduced over the
+//! tokens where the input lives, so the host copies `[n_in]` (dense) or `[n_in, n_expert]`
+//! plus `[n_expert]` counts (MUL_MAT_ID) instead of the whole `[n_in, rows]` input.
+//!
+//! Inside the eval callback the scheduler has finished the node and waits, so a small graph of
+//! our own can run on the device that holds the input, in a backend instance of ours for that
+//! device. The input and the expert ids enter it as leaves that point at the scheduler's
+//! memory (same buffer, data pointer and strides, no sources), so nothing of llama.cpp's graph
+//! is pulled in. For MUL_MAT_ID the per-expert sums are one matmul: the squared input rows
+//! `[n_in, R]` times the one-hot routing `[n_expert, R]` (rows of an identity matrix gathered
+//! by the selected ids), R = slots × tokens. Sums in f32 in the device's order, so the result
+//! is not upstream's bytes: this mode is never the default.
+
+use super::{sys, Node};
+use anyhow::{bail, Result};
+
+/// One device's backend, allocator and cached identity matrices.
+struct Device {
+    dev: sys::ggml_backend_dev_t,
+    backend: sys::ggml_backend_t,
+    galloc: sys::ggml_gallocr_t,
+    /// n_expert → (context, buffer, identity tensor `[n, n]` f32)
+    identities: Vec<(i64, *mut sys::ggml_context, sys::ggml_backend_buffer_t, *mut sys::ggml_tensor)>,
+}
+
+#[derive(Default)]
+pub struct DeviceReducer {
+    devices: Vec<Device>,
+    /// bytes copied back to the host (the reduced results)
+    pub bytes_out: u64,
+}
+
+/// The per-expert (or single) sums and row counts of one input.
+pub struct Reduced {
+    /// `[n_in]` (dense) or `[n_expert][n_in]` (MUL_MAT_ID)
+    pub sums: Vec<f32>,
+    /// `[1]` (dense: rows) or `[n_expert]`
+    pub counts: Vec<f32>,
+}
+
+impl DeviceReducer {
+    /// Σ over rows of x² for a dense MUL_MAT input `x` `[n_in, rows…]` (any strides), a
+    /// computed node of the graph whose callback is running.
+    pub fn dense(&mut self, x: Node<'_>) -> Result<Reduced> {
+        let x = x.as_ptr();
+        let d = self.device_of(x)?;
+        // SAFETY: x is live for the callback; the graph reads it and writes only its own tensors.
+        unsafe {
+            let g = Graph::new()?;
+            let xl = g.leaf(x);
+            let n_in = (*x).ne[0];
+            let rows = sys::ggml_nrows(x);
+            let sq = sys::ggml_sqr(g.ctx, sys::ggml_reshape_2d(g.ctx, sys::ggml_cont(g.ctx, xl), n_in, rows));
+            // [rows, n_in] → Σ over rows per column
+            let sums = sys::ggml_sum_rows(g.ctx, sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, sq)));
+            let out = self.run(d, &g, &[sums])?;
+            Ok(Reduced { sums: out.into_iter().next().unwrap(), counts: vec![rows as f32] })
+        }
+    }
+
+    /// Per-expert Σ x² and row counts for a MUL_MAT_ID input `x` `[n_in, 1 or k, T]` routed by
+    /// `ids` `[k, T]` (i32, any strides) among `n_expert` experts; both computed nodes of the
+    /// graph whose callback is running, on one device.
+    pub fn by_expert(&mut self, x: Node<'_>, ids: Node<'_>, n_expert: i64) -> Result<Reduced> {
+        let (x, ids) = (x.as_ptr(), ids.as_ptr());
+        let d = self.device_of(x)?;
+        if self.device_of(ids)? != d {
+            bail!("the input and the expert ids are on different devices");
+        }
+        // SAFETY: both are live for the callback; the graph reads them and writes only its own tensors.
+        unsafe {
+            let (n_in, n11, t) = ((*x).ne[0], (*x).ne[1], (*x).ne[2]);
+            let k = (*ids).ne[0];
+            if (*ids).ne[1] != t || (n11 != 1 && n11 != k) {
+                bail!("input {:?} and ids {:?} do not match", (*x).ne, (*ids).ne);
+            }
+            let identity = self.identity(d, n_expert)?;
+            let g = Graph::new()?;
+            let (xl, il) = (g.leaf(x), g.leaf(ids));
+            let ids_flat = sys::ggml_reshape_1d(g.ctx, sys::ggml_cont(g.ctx, il), k * t);
+            // one-hot rows of the routing: [n_expert, k·T]
+            let onehot = sys::ggml_get_rows(g.ctx, identity, ids_flat);
+            let sq = sys::ggml_sqr(g.ctx, sys::ggml_cont(g.ctx, xl));
+            let (a, b) = if n11 == 1 {
+                // one input row per token, used by each of its k slots: weight it by the number
+                // of its slots that chose each expert
+                let per_tok = sys::ggml_reshape_3d(g.ctx, onehot, n_expert, k, t);
+                let picks = sys::ggml_sum_rows(g.ctx, sys::ggml_cont(g.ctx, sys::ggml_permute(g.ctx, per_tok, 1, 0, 2, 3)));
+                let picks = sys::ggml_reshape_2d(g.ctx, picks, n_expert, t);
+                (sys::ggml_reshape_2d(g.ctx, sq, n_in, t), picks)
+            } else {
+                (sys::ggml_reshape_2d(g.ctx, sq, n_in, k * t), onehot)
+            };
+            // sums[e][j] = Σ_r a[j, r]·b[e, r]: a matmul over the row axis
+            let at = sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, a));
+            let bt = sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, b));
+            let sums = sys::ggml_mul_mat(g.ctx, at, bt);
+            let counts = sys::ggml_sum_rows(g.ctx, sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, onehot)));
+            let mut out = self.run(d, &g, &[sums, counts])?.into_iter();
+            Ok(Reduced { sums: out.next().unwrap(), counts: out.next().unwrap() })
+        }
+    }
+
+    fn device_of(&mut self, x: *mut sys::ggml_tensor) -> Result<usize> {
+        // SAFETY: reading a live tensor's buffer and registry objects.
+        unsafe {
+            let buf = (*x).buffer;
+            if buf.is_null() {
+                bail!("tensor without a buffer");
+            }
+            let dev = sys::ggml_backend_buft_get_device(sys::ggml_backend_buffer_get_type(buf));
+            if dev.is_null() {
+                bail!("the tensor's buffer type has no device");
+            }
+            if let Some(i) = self.devices.iter().position(|d| d.dev == dev) {
+                return Ok(i);
+            }
+            let backend = sys::ggml_backend_dev_init(dev, std::ptr::null());
+            if backend.is_null() {
+                bail!("could not start a backend on the tensor's device");
+            }
+            let galloc = sys::ggml_gallocr_new(sys::ggml_backend_get_default_buffer_type(backend));
+            self.devices.push(Device { dev, backend, galloc, identities: Vec::new() });
+            Ok(self.devices.len() - 1)
+        }
+    }
+
+    fn identity(&mut self, d: usize, n: i64) -> Result<*mut sys::ggml_tensor> {
+        let dev = &mut self.devices[d];
+        if let Some(&(_, _, _, t)) = dev.identities.iter().find(|e| e.0 == n) {
+            return Ok(t);
+        }
+        // SAFETY: a context of one tensor, allocated on the device and filled once.
+        unsafe {
+            let ctx = sys::ggml_init(sys::ggml_init_params { mem_size: sys::ggml_tensor_overhead() * 2, mem_buffer: std::ptr::null_mut(), no_alloc: true });
+            let t = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, n, n);
+            let buf = sys::ggml_backend_alloc_ctx_tensors(ctx, dev.backend);
+            if buf.is_null() {
+                sys::ggml_free(ctx);
+                bail!("could not allocate a {n}×{n} identity on the device");
+            }
+            let mut eye = vec![0.0f32; (n * n) as usize];
+            for i in 0..n as usize {
+                eye[i * n as usize + i] = 1.0;
+            }
+            sys::ggml_backend_tensor_set(t, eye.as_ptr().cast(), 0, eye.len() * 4);
+            dev.identities.push((n, ctx, buf, t));
+            Ok(t)
+        }
+    }
+
+    /// Allocates and computes `g` on device `d`; returns each output as f32s.
+    unsafe fn run(&mut self, d: usize, g: &Graph, outs: &[*mut sys::ggml_tensor]) -> Result<Vec<Vec<f32>>> {
+        let dev = &self.devices[d];
+        unsafe {
+            let gf = sys::ggml_new_graph(g.ctx);
+            for &o in outs {
+                sys::ggml_build_forward_expand(gf, o);
+            }
+            if !sys::ggml_gallocr_alloc_graph(dev.galloc, gf) {
+                bail!("could not allocate the reduction on the device");
+            }
+            let st = sys::ggml_backend_graph_compute(dev.backend, gf);
+            if st != sys::GGML_STATUS_SUCCESS {
+                bail!("the reduction failed on the device (status {st})");
+            }
+            let mut res = Vec::with_capacity(outs.len());
+            for &o in outs {
+                let n = sys::ggml_nelements(o) as usize;
+                let mut v = vec![0.0f32; n];
+                sys::ggml_backend_tensor_get(o, v.as_mut_ptr().cast(), 0, n * 4);
+                self.bytes_out += (n * 4) as u64;
+                super::tensor::DEVICE_TO_HOST_BYTES.fetch_add((n * 4) as u64, std::sync::atomic::Ordering::Relaxed);
+                res.push(v);
+            }
+            Ok(res)
+        }
+    }
+}
+
+impl Drop for DeviceReducer {
+    fn drop(&mut self) {
+        // SAFETY: each object was created here and is freed once.
+        unsafe {
+            for d in self.devices.drain(..) {
+                for (_, ctx, buf, _) in d.identities {
+                    sys::ggml_backend_buffer_free(buf);
+                    sys::ggml_free(ctx);
+                }
+                sys::ggml_gallocr_free(d.galloc);
+                sys::ggml_backend_free(d.backend);
+            }
+        }
+    }
+}
+
+/// A metadata-only context for one reduction graph.
+struct Graph {
+    ctx: *mut sys::ggml_context,
+}
+
+impl Graph {
+    fn new() -> Result<Graph> {
+        // SAFETY: a no_alloc context for a few tensors and one graph.
+        let ctx = unsafe {
+            sys::ggml_init(sys::ggml_init_params {
+                mem_size: sys::ggml_tensor_overhead() * 32 + sys::ggml_graph_overhead(),
+                mem_buffer: std::ptr::null_mut(),
+                no_alloc: true,
+            })
+        };
+        if ctx.is_null() {
+            bail!("ggml_init failed");
+        }
+        Ok(Graph { ctx })
+    }
+
+    /// A leaf with `x`'s type, shape, strides, buffer and data, and no sources.
+    unsafe fn leaf(&self, x: *mut sys::ggml_tensor) -> *mut sys::ggml_tensor {
+        unsafe {
+            let l = sys::ggml_new_tensor(self.ctx, (*x).type_, 4, (*x).ne.as_ptr());
+            (*l).nb = (*x).nb;
+            (*l).buffer = (*x).buffer;
+            (*l).data = (*x).data;
+            l
+        }
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: created in new().
+        unsafe { sys::ggml_free(self.ctx) };
+    }
+}
