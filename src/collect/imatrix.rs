@@ -118,17 +118,8 @@ impl ImatrixCollector {
                 accumulate_sq(acc, x);
             }
         }
-        for ex in 0..n_as as usize {
-            let row = &e.values[ex * ne0 as usize..(ex + 1) * ne0 as usize];
-            if touched[ex] && !row.iter().all(|v| v.is_finite()) {
-                self.error = Some(NonFinite { tensor: wname.to_string() });
-                return Ok(());
-            }
-        }
-        let counts = e.counts.clone();
-        for c in counts {
-            self.maybe_checkpoint(c);
-        }
+        let finite = (0..n_as as usize).all(|ex| !touched[ex] || e.values[ex * ne0 as usize..(ex + 1) * ne0 as usize].iter().all(|v| v.is_finite()));
+        self.after_update(wname, finite);
         Ok(())
     }
 
@@ -200,15 +191,22 @@ impl ImatrixCollector {
         for (c, &n) in e.counts.iter_mut().zip(counts) {
             *c += n.round() as i64;
         }
-        if !e.values.iter().all(|v| v.is_finite()) {
+        let finite = e.values.iter().all(|v| v.is_finite());
+        self.after_update(wname, finite);
+        Ok(())
+    }
+
+    /// After `wname`'s sums and counts were updated: a non-finite sum stops collection (the
+    /// caller reports it); otherwise upstream's checkpoint rule runs on each of its counts.
+    fn after_update(&mut self, wname: &str, finite: bool) {
+        if !finite {
             self.error = Some(NonFinite { tensor: wname.to_string() });
-            return Ok(());
+            return;
         }
-        let counts = e.counts.clone();
+        let counts = self.state.stats[wname].counts.clone();
         for c in counts {
             self.maybe_checkpoint(c);
         }
-        Ok(())
     }
 
     /// Upstream's checkpoint rule, evaluated after each count update.
