@@ -20,6 +20,9 @@ pub struct Config {
     pub cache_dir: PathBuf,
     pub cuda: bool,
     pub rpc: bool,
+    /// `REAP_GGML_NATIVE=OFF`: ggml without `-march=native`, for a binary carried to another
+    /// machine (`scripts/gpu-bundle`); the default builds for this CPU, as upstream does
+    pub native: bool,
     pub target_os: String,
 }
 
@@ -49,6 +52,7 @@ impl Config {
             cache_dir,
             cuda: env::var_os("CARGO_FEATURE_CUDA").is_some(),
             rpc: env::var_os("CARGO_FEATURE_RPC").is_some(),
+            native: var("REAP_GGML_NATIVE").is_none_or(|v| !v.eq_ignore_ascii_case("off")),
             target_os: env::var("CARGO_CFG_TARGET_OS").unwrap_or_default(),
             manifest_dir,
             out_dir,

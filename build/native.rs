@@ -49,8 +49,13 @@ fn build_key(cfg: &Config, patches_digest: &str) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     h.update(format!(
-        "{}|{}|cuda={}|rpc={}|v1",
-        cfg.pin.sha256, patches_digest, cfg.cuda, cfg.rpc
+        "{}|{}|cuda={}|rpc={}|v1{}",
+        cfg.pin.sha256,
+        patches_digest,
+        cfg.cuda,
+        cfg.rpc,
+        // the default key is unchanged, so existing native builds stay valid
+        if cfg.native { "" } else { "|native=off" }
     ));
     let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
     format!("{}-{}", cfg.pin.commit, &hex[..12])
@@ -75,6 +80,10 @@ fn run_cmake(cfg: &Config, source_dir: &Path, root: &Path) -> Result<(), String>
         .define("LLAMA_OPENSSL", "OFF")
         .define("GGML_RPC", on_off(cfg.rpc))
         .define("GGML_CUDA", on_off(cfg.cuda));
+    if !cfg.native {
+        // only when asked: the default is left to ggml, exactly as the reference tools build
+        c.define("GGML_NATIVE", "OFF");
+    }
     if cfg.cuda {
         // "native" only works where a GPU is visible; build for the common server parts otherwise
         let archs = std::env::var("CMAKE_CUDA_ARCHITECTURES").unwrap_or_else(|_| "80;86;89;90".into());

@@ -34,7 +34,40 @@ pub fn init_backend() {
         log::install();
         // SAFETY: plain global initialisation, guarded by Once.
         unsafe { sys::llama_backend_init() };
+        load_backend_modules();
     });
+}
+
+/// `REAP_BACKEND_DIR`: ggml backend modules (`libggml-*.so`, built with `GGML_BACKEND_DL` from
+/// the same pin, e.g. the CUDA backend on a machine without Rust; docs/gpu.md) are loaded into
+/// the registry next to the backends linked in, before any model is loaded. The CPU backend is
+/// linked in, so CPU modules there are skipped, and so is ggml's base library.
+fn load_backend_modules() {
+    let Some(dir) = std::env::var_os("REAP_BACKEND_DIR") else { return };
+    let dir = std::path::PathBuf::from(dir);
+    let mut paths: Vec<_> = match std::fs::read_dir(&dir) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libggml-") && n.contains(".so") && !n.starts_with("libggml-base.") && !n.starts_with("libggml-cpu")))
+            .collect(),
+        Err(e) => {
+            crate::progress::eprintln(&format!("reap-imatrix: warning: REAP_BACKEND_DIR {}: {e}", dir.display()));
+            return;
+        }
+    };
+    paths.sort();
+    for p in paths {
+        let Ok(c) = std::ffi::CString::new(p.to_string_lossy().as_bytes()) else { continue };
+        // SAFETY: ggml loads the module and registers its backend; a null result is reported.
+        let reg = unsafe { sys::ggml_backend_load(c.as_ptr()) };
+        if reg.is_null() {
+            crate::progress::eprintln(&format!("reap-imatrix: warning: could not load the backend module {} (see llama.cpp's message above with -v)", p.display()));
+        } else if log::verbosity() >= 1 {
+            // SAFETY: a registered backend's name is a static string.
+            let name = unsafe { std::ffi::CStr::from_ptr(sys::ggml_backend_reg_name(reg)) }.to_string_lossy().into_owned();
+            crate::progress::eprintln(&format!("loaded backend module {} ({name})", p.display()));
+        }
+    }
 }
 
 /// ggml's aborts (a lost `--rpc` server above all) end the process with a clear message and

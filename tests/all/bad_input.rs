@@ -333,3 +333,21 @@ fn a_damaged_imatrix_is_refused_by_check() {
     std::fs::write(r.dir.join("retyped.imatrix.gguf"), &retyped).unwrap();
     refused(&r.tool(&["check", "--reap", "i.reap.json", "--imatrix", "retyped.imatrix.gguf"]), &["retyped.imatrix.gguf", "imatrix.chunk_count must be a uint32"]);
 }
+
+/// `REAP_BACKEND_DIR` (backend modules loaded at start, docs/gpu.md): a file that is not a
+/// loadable module is named in a warning and the run goes on with the backends linked in; CPU
+/// modules and ggml's base library are never loaded (the CPU backend is linked in).
+#[test]
+fn a_bad_backend_module_is_named_and_the_run_goes_on() {
+    let d = temp_dir("backend-dir");
+    let mods = d.join("mods");
+    std::fs::create_dir_all(&mods).unwrap();
+    for f in ["libggml-junk.so", "libggml-cpu-haswell.so", "libggml-base.so", "README"] {
+        std::fs::write(mods.join(f), b"not a shared library").unwrap();
+    }
+    let out = run(Command::new(ours()).current_dir(&d).env("REAP_BACKEND_DIR", &mods).arg("-m").arg(fixture("qwen3moe")).arg("-f").arg(corpus()).args(["-c", "64", "--chunks", "1", "--no-ppl", "-o", "i.gguf"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("could not load the backend module") && err.contains("libggml-junk.so"), "{err}");
+    assert!(!err.contains("libggml-cpu-haswell.so") && !err.contains("libggml-base.so"), "{err}");
+}
