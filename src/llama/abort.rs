@@ -25,7 +25,7 @@ pub(super) fn install() {
     unsafe { sys::ggml_set_abort_callback(Some(on_abort)) };
 }
 
-unsafe extern "C" fn on_abort(message: *const c_char) {
+pub(super) unsafe extern "C" fn on_abort(message: *const c_char) {
     let msg = if message.is_null() { String::new() } else { unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned() };
     let text = std::panic::catch_unwind(|| describe(&msg)).unwrap_or_else(|_| format!("llama.cpp stopped: {msg}"));
     if crate::progress::LINE_SHOWN.load(std::sync::atomic::Ordering::SeqCst) {

@@ -31,7 +31,7 @@ pub(super) fn install() {
     unsafe { sys::llama_log_set(Some(on_log), std::ptr::null_mut()) };
 }
 
-unsafe extern "C" fn on_log(level: sys::ggml_log_level, text: *const c_char, _user: *mut c_void) {
+pub(super) unsafe extern "C" fn on_log(level: sys::ggml_log_level, text: *const c_char, _user: *mut c_void) {
     if text.is_null() {
         return;
     }

@@ -68,6 +68,31 @@ fn load_backend_modules() {
             crate::progress::eprintln(&format!("loaded backend module {} ({name})", p.display()));
         }
     }
+    hook_module_base();
+}
+
+/// A module links ggml's base library as a shared object, a second copy beside the one linked
+/// into this binary, with its own log and abort callbacks: route those through ours too, so a
+/// module's messages follow `-v` and its aborts (a lost RPC server) end with our message.
+fn hook_module_base() {
+    // SAFETY: dlopen with RTLD_NOLOAD only finds a library already loaded; the symbols are
+    // ggml's own setters, called with functions that live for the whole program.
+    unsafe {
+        let h = libc::dlopen(c"libggml-base.so.0".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if h.is_null() {
+            return;
+        }
+        let abort = libc::dlsym(h, c"ggml_set_abort_callback".as_ptr());
+        if !abort.is_null() {
+            let set: unsafe extern "C" fn(sys::ggml_abort_callback_t) -> sys::ggml_abort_callback_t = std::mem::transmute(abort);
+            set(Some(abort::on_abort));
+        }
+        let log_set = libc::dlsym(h, c"ggml_log_set".as_ptr());
+        if !log_set.is_null() {
+            let set: unsafe extern "C" fn(sys::ggml_log_callback, *mut std::ffi::c_void) = std::mem::transmute(log_set);
+            set(Some(log::on_log), std::ptr::null_mut());
+        }
+    }
 }
 
 /// ggml's aborts (a lost `--rpc` server above all) end the process with a clear message and
