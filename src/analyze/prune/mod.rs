@@ -106,6 +106,7 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
 
 /// A source file and its parsed header.
 struct Source {
+    file: std::fs::File,
     map: Mmap,
     header: Header,
 }
@@ -116,7 +117,7 @@ fn open_gguf(path: &Path, what: &str) -> Result<Source> {
     // practice (the same assumption llama.cpp's own mmap loading makes).
     let map = unsafe { Mmap::map(&file) }.map_err(|e| usage(format!("{what} {}: cannot map: {e}", path.display())))?;
     let header = Header::parse(&map).map_err(|e| usage(format!("{what} {}: {e}", path.display())))?;
-    Ok(Source { map, header })
+    Ok(Source { file, map, header })
 }
 
 /// The file a path names, as (device, inode), when it exists.
@@ -295,7 +296,7 @@ fn write_gguf(out: &Path, src: &Source, kvs: &[&[u8]], steps: &[plan::Step], kee
     let (header, offsets) = encode_header(src.header.version, kvs, &infos, src.header.alignment);
     let mut n = 0;
     atomic::replace_with(out, |tmp| {
-        n = stream::write(tmp, &src.map, &header, steps, &offsets, keep, src.header.alignment)?;
+        n = stream::write(tmp, &src.map, &src.file, &header, steps, &offsets, keep, src.header.alignment)?;
         Ok(())
     })
     .with_context(|| format!("writing {}", out.display()))?;
