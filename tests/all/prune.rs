@@ -120,6 +120,19 @@ fn a_keep_all_map_reproduces_the_model_and_imatrix_byte_for_byte() {
     }
 }
 
+/// The mapped copy (the fallback where `copy_file_range` is refused, forced here) writes the
+/// same bytes as the kernel copy, for a map that slices every per-expert tensor.
+#[test]
+fn the_mapped_copy_writes_what_the_kernel_copy_writes() {
+    let d = temp_dir("prune-copy-paths");
+    let keep: Vec<Vec<u16>> = vec![(0..N_EXPERT).step_by(3).collect(); BLOCKS.len()];
+    let map = write_map(&d.join("third.json"), map_json(&keep));
+    prune_ok(&fixture("qwen3moe"), &map, &d.join("kernel.gguf"), &[]);
+    let out = run(Command::new(ours()).env("REAP_PRUNE_COPY", "map").arg("prune").arg("-m").arg(fixture("qwen3moe")).arg("--keep-map").arg(&map).arg("-o").arg(d.join("mapped.gguf")));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_same_bytes(&d.join("kernel.gguf"), &d.join("mapped.gguf"));
+}
+
 #[test]
 fn a_keep_all_map_reproduces_a_quantized_model_byte_for_byte() {
     let d = temp_dir("prune-keepall-q8");

@@ -27,7 +27,8 @@ const WINDOW: usize = 16 << 20;
 pub fn write(path: &Path, src: &Mmap, src_file: &File, header: &[u8], steps: &[Step], offsets: &[u64], keep: &[Vec<u16>], alignment: u64) -> Result<u64> {
     let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
-    let mut kernel_copy = true;
+    // REAP_PRUNE_COPY=map forces the mapped copy (the fallback; tested against the kernel copy)
+    let mut kernel_copy = std::env::var("REAP_PRUNE_COPY").map_or(true, |v| v != "map");
     let _ = src.advise(memmap2::Advice::Sequential);
     let err = || format!("writing {}", path.display());
     // bytes copied, on the progress line once the copy runs longer than about two seconds
