@@ -207,13 +207,14 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let p = model_path.clone();
         std::thread::spawn(move || metadata::cached_sha256_file(&p).ok())
     };
-    let model = Model::load(&model_path, &model_params(&plan.args)?)?;
+    let params = model_params(&plan.args)?;
+    let model = Model::load(&model_path, &params)?;
     let ctx_params = context_params(&plan)?;
     let reap = plan.reap_out.as_ref().map(|_| {
         let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n_or_default(), plan.args.trace_tokens.unwrap_or(u64::MAX)));
         ReapState::new(trace)
     });
-    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(model_params(&plan.args)?.n_gpu_layers);
+    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(params.n_gpu_layers);
     crate::llama::expert_stats::set(device_stats);
     let mut observer = CalibrationObserver::new(collector, reap);
     observer.expert_stats_on_device = device_stats;
