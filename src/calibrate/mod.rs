@@ -298,6 +298,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         ctx.observer().busy.as_secs_f64(),
         out.chunks_done
     );
+    if let Some(r) = &ctx.observer().reducer {
+        eprintln!("collection: --imatrix-on-device copied {} bytes of per-chunk sums", r.bytes_out);
+    }
     let copied = crate::llama::tensor::DEVICE_TO_HOST_BYTES.load(std::sync::atomic::Ordering::Relaxed);
     if copied > 0 {
         let tokens = (out.chunks_done as u64 * plan.n_ctx as u64).max(1);
@@ -640,6 +643,11 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
                 bail!("{f}");
             }
             if ctx.observer().interrupted {
+                // the ubatches before the signal are whole: their device sums belong in the outputs
+                if !ctx.observer_mut().flush_device_imatrix() {
+                    bail!("{}", ctx.observer_mut().failure.take().unwrap_or_default());
+                }
+                outputs.flush(ctx);
                 bar.abandon("interrupted");
                 if compute_ppl {
                     writeln!(out)?;
@@ -660,6 +668,15 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             if compute_ppl && num_batches > 1 {
                 logits.extend_from_slice(ctx.logits(batch_size));
             }
+        }
+        // --imatrix-on-device: the chunk's sums, accumulated on the device, enter the imatrix
+        // (and its checkpoint rule) now
+        if !ctx.observer_mut().flush_device_imatrix() {
+            bail!("{}", ctx.observer_mut().failure.take().unwrap_or_default());
+        }
+        outputs.flush(ctx);
+        if let Some(e) = outputs.writer.failure() {
+            return Err(e.into());
         }
         if i == 0 {
             ctx.synchronize();

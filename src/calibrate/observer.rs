@@ -387,11 +387,12 @@ impl CalibrationObserver {
         let s1 = src1.info();
         if let Some(red) = self.reducer.as_mut().filter(|_| !src1.is_host()) {
             let n_mat = src0.info().ne[2] * src0.info().ne[3];
+            // accumulated on the device; added to the imatrix per chunk (flush_device_imatrix)
             let result = if op == sys::GGML_OP_MUL_MAT_ID {
                 let Some(ids) = node.src(2) else { return self.fail(format!("{wname}: MUL_MAT_ID without ids")) };
-                red.by_expert(src1, ids, src0.info().ne[2]).map_err(|e| format!("{wname}: {e:#}")).and_then(|r| self.imatrix.add_reduced(&wname, s1.ne[0], src0.info().ne[2], &r.sums, &r.counts))
+                red.by_expert(&wname, src1, ids, src0.info().ne[2]).map_err(|e| format!("{wname}: {e:#}"))
             } else if n_mat == 1 && s1.ty == sys::GGML_TYPE_F32 {
-                red.dense(src1).map_err(|e| format!("{wname}: {e:#}")).and_then(|r| self.imatrix.add_reduced(&wname, s1.ne[0], 0, &r.sums, &r.counts))
+                red.dense(&wname, src1).map_err(|e| format!("{wname}: {e:#}"))
             } else {
                 Err(format!("{wname}: --imatrix-on-device handles one weight matrix per node, this one has {n_mat}"))
             };
@@ -408,6 +409,19 @@ impl CalibrationObserver {
         } else {
             self.imatrix.collect_mul_mat(&wname, src0.info().ne, &s1, data)
         };
+        self.after_collect(result)
+    }
+
+    /// `--imatrix-on-device`: copies the device accumulators (the ubatches since the last
+    /// flush) into the imatrix, then applies upstream's checkpoint rule to the whole update.
+    /// Called at the end of every chunk and before the outputs of an interrupted run are
+    /// written. Returns false (with `failure` set) on error.
+    pub fn flush_device_imatrix(&mut self) -> bool {
+        let Some(red) = self.reducer.as_mut() else { return true };
+        let result = red
+            .drain()
+            .map_err(|e| format!("--imatrix-on-device: {e:#}"))
+            .and_then(|chunk| self.imatrix.add_reduced(&chunk));
         self.after_collect(result)
     }
 

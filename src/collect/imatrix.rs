@@ -162,11 +162,28 @@ impl ImatrixCollector {
         Ok(())
     }
 
-    /// Adds sums reduced on the device (`--imatrix-on-device`): `n_as` 0 for a dense matmul
-    /// (`sums` `[n_in]`, `counts` `[rows]`), else `sums` `[n_as][n_in]` and `counts` `[n_as]`.
-    /// The same entries, counts and checkpoint rule as the exact path; only the order of the
-    /// f32 additions differs.
-    pub fn add_reduced(&mut self, wname: &str, n_in: i64, n_as: i64, sums: &[f32], counts: &[f32]) -> Result<(), String> {
+    /// Adds one chunk's sums reduced on the device (`--imatrix-on-device`), per weight:
+    /// `n_as` 0 for a dense matmul (`sums` `[n_in]`, `counts` `[rows]`), else `sums`
+    /// `[n_as][n_in]` and `counts` `[n_as]`. The same entries and counts as the exact path,
+    /// only the order of the f32 additions differs; the checkpoint rule runs once every weight
+    /// is updated, so a checkpoint holds whole chunks (upstream's, taken mid-graph, holds the
+    /// weights collected so far in the chunk's last ubatch).
+    pub fn add_reduced(&mut self, chunk: &[crate::llama::reduce::Reduced]) -> Result<(), String> {
+        for r in chunk {
+            self.update_reduced(r)?;
+        }
+        for r in chunk {
+            let finite = self.state.stats[&r.name].values.iter().all(|v| v.is_finite());
+            self.after_update(&r.name, finite);
+            if self.error.is_some() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn update_reduced(&mut self, r: &crate::llama::reduce::Reduced) -> Result<(), String> {
+        let (wname, n_in, n_as, sums, counts) = (&r.name, r.n_in, r.n_as, &r.sums, &r.counts);
         let n_rows = n_as.max(1);
         if sums.len() as i64 != n_in * n_rows || counts.len() as i64 != n_rows {
             return Err(format!("{wname}: reduced shapes {} and {} for {n_in} × {n_rows}", sums.len(), counts.len()));
@@ -191,8 +208,6 @@ impl ImatrixCollector {
         for (c, &n) in e.counts.iter_mut().zip(counts) {
             *c += n.round() as i64;
         }
-        let finite = e.values.iter().all(|v| v.is_finite());
-        self.after_update(wname, finite);
         Ok(())
     }
 

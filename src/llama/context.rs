@@ -28,7 +28,7 @@ pub struct Context<'m, O: GraphObserver> {
 
 impl<'m, O: GraphObserver> Context<'m, O> {
     pub fn new(model: &'m Model, p: &ContextParams, observer: O) -> Result<Self> {
-        let state = Box::into_raw(Box::new(CallbackState { observer, panic: None }));
+        let state = Box::into_raw(Box::new(CallbackState::new(observer)));
         // SAFETY: default params are plain data.
         let mut cp = unsafe { sys::llama_context_default_params() };
         cp.n_ctx = p.n_ctx;
@@ -75,12 +75,14 @@ impl<'m, O: GraphObserver> Context<'m, O> {
     /// As `decode`, but a graph the observer stopped (by returning false) is not an error:
     /// returns Ok(false). llama.cpp then drops that ubatch's positions from the KV cache.
     pub fn decode_or_stop(&mut self, batch: &mut Batch) -> Result<bool> {
+        self.state_mut().stopped = false;
         // SAFETY: live context and batch; the observer is reached only through the callback.
         let rc = unsafe { sys::llama_process(self.raw, sys::LLAMA_PROCESS_TYPE_DECODE, batch.as_ptr()) };
         if let Some(p) = self.state_mut().panic.take() {
             std::panic::resume_unwind(p);
         }
         match rc {
+            0 | 2 if self.state_mut().stopped => Ok(false),
             0 => Ok(true),
             2 => Ok(false),
             _ => bail!("llama_process failed with code {rc}: {}", log::take_recent_errors().join("; ")),

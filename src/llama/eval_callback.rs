@@ -34,18 +34,34 @@ impl GraphObserver for NoObserver {
 pub(crate) struct CallbackState<O> {
     pub observer: O,
     pub panic: Option<Box<dyn Any + Send>>,
+    /// The observer stopped the graph during this decode. ggml's scheduler (at the pin) ends
+    /// only the current split when the callback says stop, and computes the splits after it,
+    /// and the ubatches after that, asking the callback again: with layers off-host a graph has
+    /// several splits. So from the stop to the end of the decode nothing more is wanted, and
+    /// the decode counts as stopped whatever llama.cpp returns.
+    pub stopped: bool,
+}
+
+impl<O> CallbackState<O> {
+    pub fn new(observer: O) -> Self {
+        CallbackState { observer, panic: None, stopped: false }
+    }
 }
 
 impl<O: GraphObserver> CallbackState<O> {
     /// The decision, as plain Rust: what the trampoline returns to C for one call.
     pub fn dispatch(&mut self, node: Option<Node<'_>>, ask: bool) -> bool {
-        if self.panic.is_some() {
-            return false; // already failing: want nothing, stop everything
+        if self.panic.is_some() || self.stopped {
+            return false; // failing or stopped: want nothing, stop everything
         }
         let Some(node) = node else { return !ask };
         let obs = &mut self.observer;
         match catch_unwind(AssertUnwindSafe(|| if ask { obs.wants(node) } else { obs.observe(node) })) {
-            Ok(v) => v,
+            Ok(true) => true,
+            Ok(false) => {
+                self.stopped = !ask;
+                false
+            }
             Err(p) => {
                 self.panic = Some(p);
                 false
@@ -111,7 +127,7 @@ mod tests {
                 panic!("observer failed on {}", node.name());
             }
             self.seen.push(node.name().to_string());
-            true
+            !node.name().contains("stop")
         }
     }
 
@@ -121,7 +137,7 @@ mod tests {
 
     #[test]
     fn asks_and_observes_through_the_trampoline() {
-        let mut st = CallbackState { observer: Recorder::default(), panic: None };
+        let mut st = CallbackState::new(Recorder::default());
         let (a, b) = (OneTensor::new("want_me"), OneTensor::new("skip_me"));
         assert!(call(&mut st, &a, true));
         assert!(!call(&mut st, &b, true));
@@ -132,8 +148,23 @@ mod tests {
     }
 
     #[test]
+    fn after_a_stop_nothing_more_is_wanted_until_the_next_decode() {
+        let mut st = CallbackState::new(Recorder::default());
+        let (stop, a) = (OneTensor::new("want_stop"), OneTensor::new("want_me"));
+        assert!(call(&mut st, &stop, true));
+        assert!(!call(&mut st, &stop, false), "the observer's stop reaches ggml");
+        assert!(st.stopped);
+        // ggml goes on with the next split: asked again, we want nothing
+        assert!(!call(&mut st, &a, true));
+        assert_eq!(st.observer.asked, ["want_stop"]);
+        assert_eq!(st.observer.seen, ["want_stop"]);
+        st.stopped = false; // what the next decode does
+        assert!(call(&mut st, &a, true));
+    }
+
+    #[test]
     fn a_panic_is_caught_stops_the_graph_and_is_kept_for_the_caller() {
-        let mut st = CallbackState { observer: Recorder { panic_on_observe: true, ..Default::default() }, panic: None };
+        let mut st = CallbackState::new(Recorder { panic_on_observe: true, ..Default::default() });
         let a = OneTensor::new("want_me");
         assert!(!call(&mut st, &a, false), "a panicking observer must stop the graph");
         let p = st.panic.take().expect("panic stored");
@@ -142,7 +173,8 @@ mod tests {
 
     #[test]
     fn after_a_panic_nothing_more_is_wanted_or_observed() {
-        let mut st = CallbackState { observer: Recorder::default(), panic: Some(Box::new("earlier")) };
+        let mut st = CallbackState::new(Recorder::default());
+        st.panic = Some(Box::new("earlier"));
         let a = OneTensor::new("want_me");
         assert!(!call(&mut st, &a, true));
         assert!(!call(&mut st, &a, false));
@@ -151,7 +183,7 @@ mod tests {
 
     #[test]
     fn a_null_node_is_not_wanted_and_does_not_stop_the_graph() {
-        let mut st = CallbackState { observer: Recorder::default(), panic: None };
+        let mut st = CallbackState::new(Recorder::default());
         let p = &mut st as *mut CallbackState<Recorder> as *mut c_void;
         assert!(!unsafe { trampoline::<Recorder>(std::ptr::null_mut(), true, p) });
         assert!(unsafe { trampoline::<Recorder>(std::ptr::null_mut(), false, p) });

@@ -1,6 +1,7 @@
 //! The fast imatrix mode (`--imatrix-on-device`): Σx² of a matmul's input, reduced over the
-//! tokens where the input lives, so the host copies `[n_in]` (dense) or `[n_in, n_expert]`
-//! plus `[n_expert]` counts (MUL_MAT_ID) instead of the whole `[n_in, rows]` input.
+//! tokens where the input lives and accumulated there over the ubatches of a chunk, so the
+//! host copies, once per chunk, `[n_in]` (dense) or `[n_in, n_expert]` plus `[n_expert]`
+//! counts (MUL_MAT_ID) per weight instead of the whole `[n_in, rows]` input per ubatch.
 //!
 //! Inside the eval callback the scheduler has finished the node and waits, so a small graph of
 //! our own can run on the device that holds the input, in a backend instance of ours for that
@@ -8,8 +9,10 @@
 //! memory (same buffer, data pointer and strides, no sources), so nothing of llama.cpp's graph
 //! is pulled in. For MUL_MAT_ID the per-expert sums are one matmul: the squared input rows
 //! `[n_in, R]` times the one-hot routing `[n_expert, R]` (rows of an identity matrix gathered
-//! by the selected ids), R = slots × tokens. Sums in f32 in the device's order, so the result
-//! is not upstream's bytes: this mode is never the default.
+//! by the selected ids), R = slots × tokens. The result is added in place into the weight's
+//! accumulator, a tensor of ours on that device; [`DeviceReducer::drain`] copies the
+//! accumulators back and zeroes them. Sums in f32 in the device's order, so the result is not
+//! upstream's bytes: this mode is never the default.
 
 use super::{sys, Node};
 use anyhow::{bail, Result};
@@ -23,15 +26,40 @@ struct Device {
     identities: Vec<(i64, *mut sys::ggml_context, sys::ggml_backend_buffer_t, *mut sys::ggml_tensor)>,
 }
 
+/// One weight's running sums on its device, for the chunk in flight.
+struct Accumulator {
+    name: String,
+    device: usize,
+    n_in: i64,
+    /// experts of a MUL_MAT_ID weight; 0 for a dense one
+    n_as: i64,
+    ctx: *mut sys::ggml_context,
+    buf: sys::ggml_backend_buffer_t,
+    /// `[n_in, max(n_as, 1)]`
+    sums: *mut sys::ggml_tensor,
+    /// `[n_as]` (MUL_MAT_ID only: the routing lives on the device)
+    counts: Option<*mut sys::ggml_tensor>,
+    /// rows of a dense weight since the last drain (known on the host)
+    rows: f64,
+    /// anything added since the last drain
+    dirty: bool,
+}
+
 #[derive(Default)]
 pub struct DeviceReducer {
     devices: Vec<Device>,
-    /// bytes copied back to the host (the reduced results)
+    /// in order of first sight, which is the graph's order
+    accumulators: Vec<Accumulator>,
+    /// bytes copied back to the host (the drained accumulators)
     pub bytes_out: u64,
 }
 
-/// The per-expert (or single) sums and row counts of one input.
+/// One weight's per-expert (or single) sums and row counts, as drained.
 pub struct Reduced {
+    pub name: String,
+    pub n_in: i64,
+    /// 0 for a dense weight
+    pub n_as: i64,
     /// `[n_in]` (dense) or `[n_expert][n_in]` (MUL_MAT_ID)
     pub sums: Vec<f32>,
     /// `[1]` (dense: rows) or `[n_expert]`
@@ -39,9 +67,9 @@ pub struct Reduced {
 }
 
 impl DeviceReducer {
-    /// Σ over rows of x² for a dense MUL_MAT input `x` `[n_in, rows…]` (any strides), a
-    /// computed node of the graph whose callback is running.
-    pub fn dense(&mut self, x: Node<'_>) -> Result<Reduced> {
+    /// Adds Σ over rows of x² for a dense MUL_MAT input `x` `[n_in, rows…]` (any strides), a
+    /// computed node of the graph whose callback is running, into `wname`'s accumulator.
+    pub fn dense(&mut self, wname: &str, x: Node<'_>) -> Result<()> {
         let x = x.as_ptr();
         let d = self.device_of(x)?;
         // SAFETY: x is live for the callback; the graph reads it and writes only its own tensors.
@@ -53,15 +81,16 @@ impl DeviceReducer {
             let sq = sys::ggml_sqr(g.ctx, sys::ggml_reshape_2d(g.ctx, sys::ggml_cont(g.ctx, xl), n_in, rows));
             // [rows, n_in] → Σ over rows per column
             let sums = sys::ggml_sum_rows(g.ctx, sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, sq)));
-            let out = self.run(d, &g, &[sums])?;
-            Ok(Reduced { sums: out.into_iter().next().unwrap(), counts: vec![rows as f32] })
+            let a = self.accumulator(wname, d, n_in, 0)?;
+            self.accumulators[a].rows += rows as f64;
+            self.add(a, &g, sums, None)
         }
     }
 
-    /// Per-expert Σ x² and row counts for a MUL_MAT_ID input `x` `[n_in, 1 or k, T]` routed by
-    /// `ids` `[k, T]` (i32, any strides) among `n_expert` experts; both computed nodes of the
-    /// graph whose callback is running, on one device.
-    pub fn by_expert(&mut self, x: Node<'_>, ids: Node<'_>, n_expert: i64) -> Result<Reduced> {
+    /// Adds per-expert Σ x² and row counts for a MUL_MAT_ID input `x` `[n_in, 1 or k, T]`
+    /// routed by `ids` `[k, T]` (i32, any strides) among `n_expert` experts, both computed
+    /// nodes of the graph whose callback is running, on one device, into `wname`'s accumulator.
+    pub fn by_expert(&mut self, wname: &str, x: Node<'_>, ids: Node<'_>, n_expert: i64) -> Result<()> {
         let (x, ids) = (x.as_ptr(), ids.as_ptr());
         let d = self.device_of(x)?;
         if self.device_of(ids)? != d {
@@ -96,9 +125,86 @@ impl DeviceReducer {
             let bt = sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, b));
             let sums = sys::ggml_mul_mat(g.ctx, at, bt);
             let counts = sys::ggml_sum_rows(g.ctx, sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, onehot)));
-            let mut out = self.run(d, &g, &[sums, counts])?.into_iter();
-            Ok(Reduced { sums: out.next().unwrap(), counts: out.next().unwrap() })
+            let a = self.accumulator(wname, d, n_in, n_expert)?;
+            self.add(a, &g, sums, Some(counts))
         }
+    }
+
+    /// Copies every accumulator that received something since the last drain to the host,
+    /// in first-seen order, and zeroes it: the chunk's sums and counts.
+    pub fn drain(&mut self) -> Result<Vec<Reduced>> {
+        let mut out = Vec::new();
+        for a in self.accumulators.iter_mut().filter(|a| a.dirty) {
+            // SAFETY: the accumulators are ours, allocated on their device, and no graph of
+            // ours is running (ggml_backend_graph_compute returned).
+            unsafe {
+                let mut sums = vec![0.0f32; sys::ggml_nelements(a.sums) as usize];
+                sys::ggml_backend_tensor_get(a.sums, sums.as_mut_ptr().cast(), 0, sums.len() * 4);
+                let counts = match a.counts {
+                    Some(c) => {
+                        let mut v = vec![0.0f32; sys::ggml_nelements(c) as usize];
+                        sys::ggml_backend_tensor_get(c, v.as_mut_ptr().cast(), 0, v.len() * 4);
+                        v
+                    }
+                    None => vec![a.rows as f32],
+                };
+                let bytes = (sums.len() + a.counts.map_or(0, |_| counts.len())) as u64 * 4;
+                self.bytes_out += bytes;
+                super::tensor::DEVICE_TO_HOST_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+                sys::ggml_backend_buffer_clear(a.buf, 0);
+                a.rows = 0.0;
+                a.dirty = false;
+                out.push(Reduced { name: a.name.clone(), n_in: a.n_in, n_as: a.n_as, sums, counts });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The accumulator of `wname`, allocated (zeroed) on device `d` at first sight.
+    fn accumulator(&mut self, wname: &str, d: usize, n_in: i64, n_as: i64) -> Result<usize> {
+        if let Some(i) = self.accumulators.iter().position(|a| a.name == wname) {
+            let a = &self.accumulators[i];
+            if a.device != d || a.n_in != n_in || a.n_as != n_as {
+                bail!("{wname} changed shape or device between ubatches ({}×{} → {n_in}×{n_as})", a.n_in, a.n_as);
+            }
+            return Ok(i);
+        }
+        // SAFETY: a context of two tensors, allocated in one buffer on the device and zeroed.
+        unsafe {
+            let ctx = sys::ggml_init(sys::ggml_init_params { mem_size: sys::ggml_tensor_overhead() * 2, mem_buffer: std::ptr::null_mut(), no_alloc: true });
+            if ctx.is_null() {
+                bail!("ggml_init failed");
+            }
+            let sums = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, n_in, n_as.max(1));
+            let counts = (n_as > 0).then(|| sys::ggml_new_tensor_1d(ctx, sys::GGML_TYPE_F32, n_as));
+            let buf = sys::ggml_backend_alloc_ctx_tensors(ctx, self.devices[d].backend);
+            if buf.is_null() {
+                sys::ggml_free(ctx);
+                bail!("could not allocate {wname}'s {n_in}×{} sums on the device", n_as.max(1));
+            }
+            sys::ggml_backend_buffer_clear(buf, 0);
+            self.accumulators.push(Accumulator { name: wname.to_string(), device: d, n_in, n_as, ctx, buf, sums, counts, rows: 0.0, dirty: false });
+        }
+        Ok(self.accumulators.len() - 1)
+    }
+
+    /// Computes `g`, whose results are `sums` (as many elements as the accumulator's) and
+    /// `counts`, adding them in place into accumulator `a`.
+    unsafe fn add(&mut self, a: usize, g: &Graph, sums: *mut sys::ggml_tensor, counts: Option<*mut sys::ggml_tensor>) -> Result<()> {
+        let acc = &self.accumulators[a];
+        unsafe {
+            let mut outs = Vec::with_capacity(2);
+            let s = g.leaf(acc.sums);
+            outs.push(sys::ggml_add_inplace(g.ctx, s, sys::ggml_reshape(g.ctx, sys::ggml_cont(g.ctx, sums), s)));
+            if let (Some(c), Some(acc_c)) = (counts, acc.counts) {
+                let cl = g.leaf(acc_c);
+                outs.push(sys::ggml_add_inplace(g.ctx, cl, sys::ggml_reshape(g.ctx, sys::ggml_cont(g.ctx, c), cl)));
+            }
+            let d = acc.device;
+            self.run(d, g, &outs)?;
+        }
+        self.accumulators[a].dirty = true;
+        Ok(())
     }
 
     fn device_of(&mut self, x: *mut sys::ggml_tensor) -> Result<usize> {
@@ -149,8 +255,8 @@ impl DeviceReducer {
         }
     }
 
-    /// Allocates and computes `g` on device `d`; returns each output as f32s.
-    unsafe fn run(&mut self, d: usize, g: &Graph, outs: &[*mut sys::ggml_tensor]) -> Result<Vec<Vec<f32>>> {
+    /// Allocates and computes `g` on device `d` (synchronously).
+    unsafe fn run(&mut self, d: usize, g: &Graph, outs: &[*mut sys::ggml_tensor]) -> Result<()> {
         let dev = &self.devices[d];
         unsafe {
             let gf = sys::ggml_new_graph(g.ctx);
@@ -164,16 +270,7 @@ impl DeviceReducer {
             if st != sys::GGML_STATUS_SUCCESS {
                 bail!("the reduction failed on the device (status {st})");
             }
-            let mut res = Vec::with_capacity(outs.len());
-            for &o in outs {
-                let n = sys::ggml_nelements(o) as usize;
-                let mut v = vec![0.0f32; n];
-                sys::ggml_backend_tensor_get(o, v.as_mut_ptr().cast(), 0, n * 4);
-                self.bytes_out += (n * 4) as u64;
-                super::tensor::DEVICE_TO_HOST_BYTES.fetch_add((n * 4) as u64, std::sync::atomic::Ordering::Relaxed);
-                res.push(v);
-            }
-            Ok(res)
+            Ok(())
         }
     }
 }
@@ -182,6 +279,10 @@ impl Drop for DeviceReducer {
     fn drop(&mut self) {
         // SAFETY: each object was created here and is freed once.
         unsafe {
+            for a in self.accumulators.drain(..) {
+                sys::ggml_backend_buffer_free(a.buf);
+                sys::ggml_free(a.ctx);
+            }
             for d in self.devices.drain(..) {
                 for (_, ctx, buf, _) in d.identities {
                     sys::ggml_backend_buffer_free(buf);
@@ -204,7 +305,7 @@ impl Graph {
         // SAFETY: a no_alloc context for a few tensors and one graph.
         let ctx = unsafe {
             sys::ggml_init(sys::ggml_init_params {
-                mem_size: sys::ggml_tensor_overhead() * 32 + sys::ggml_graph_overhead(),
+                mem_size: sys::ggml_tensor_overhead() * 64 + sys::ggml_graph_overhead(),
                 mem_buffer: std::ptr::null_mut(),
                 no_alloc: true,
             })

@@ -475,12 +475,18 @@ fn imatrix_on_device_agrees_with_the_exact_mode() {
                 .args(["-o", out, "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "--no-ppl", "-ngl", "99", "--rpc", &server.endpoint])
                 .args(extra),
         );
-        let err = String::from_utf8_lossy(&o.stderr).to_string();
-        let copied: f64 = err.split("collection: ").filter_map(|s| s.split(" MiB copied").next()?.parse().ok()).next().unwrap_or_else(|| panic!("no copy line:\n{err}"));
-        copied
+        String::from_utf8_lossy(&o.stderr).to_string()
     };
-    let exact_mib = go("exact.gguf", &[]);
-    let fast_mib = go("fast.gguf", &["--imatrix-on-device"]);
+    let copied_mib = |err: &str| -> f64 { err.split("collection: ").filter_map(|s| s.split(" MiB copied").next()?.parse().ok()).next().unwrap_or_else(|| panic!("no copy line:\n{err}")) };
+    let sums_bytes = |err: &str| -> u64 {
+        err.split("--imatrix-on-device copied ").nth(1).and_then(|s| s.split(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("no per-chunk sums line:\n{err}"))
+    };
+    // four ubatches per chunk (the forward itself depends on the ubatch size, so both modes
+    // use the same): accumulated on the device, copied once per chunk
+    let exact_mib = copied_mib(&go("exact.gguf", &["-ub", "32"]));
+    let fast = go("fast.gguf", &["--imatrix-on-device", "-ub", "32"]);
+    let fast_mib = copied_mib(&fast);
+    let one_ubatch = go("fast-ub128.gguf", &["--imatrix-on-device"]);
     let (a, b) = (imatrix_file::load(&d.join("exact.gguf")).unwrap(), imatrix_file::load(&d.join("fast.gguf")).unwrap());
     assert_eq!(a.entries.keys().collect::<Vec<_>>(), b.entries.keys().collect::<Vec<_>>());
     assert_eq!(a.chunk_count, b.chunk_count);
@@ -496,6 +502,11 @@ fn imatrix_on_device_agrees_with_the_exact_mode() {
     eprintln!("largest relative difference of a sum: {worst:.3e}; copied {exact_mib} MiB exact, {fast_mib} MiB on-device");
     assert!(worst < 1e-4, "{worst}");
     assert!(fast_mib * 4.0 < exact_mib, "{fast_mib} MiB vs {exact_mib} MiB");
+    // once per chunk: each weight's sums (and an expert weight's counts) as f32, 4 times,
+    // whatever the ubatch size
+    let per_chunk: u64 = a.entries.values().map(|e| 4 * (e.sums.len() + if e.counts.len() > 1 { e.counts.len() } else { 0 }) as u64).sum();
+    assert_eq!(sums_bytes(&fast), 4 * per_chunk, "-ub 32");
+    assert_eq!(sums_bytes(&one_ubatch), 4 * per_chunk, "-ub 128");
 
     // what the imatrix is for: models quantized with either score the same perplexity
     let ppl = |imatrix: &str| {

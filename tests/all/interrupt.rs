@@ -90,3 +90,38 @@ fn a_second_signal_exits_at_once_leaving_the_previous_checkpoint() {
     assert!(s.tokens > 0 && s.tokens % 512 == 0, "{} tokens: not a checkpoint", s.tokens);
     check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf"]);
 }
+
+/// Offloaded (`-ngl 99 --rpc`), a graph has several splits, and ggml's scheduler ends only the
+/// current one when the callback says stop: the outputs must still hold exactly the ubatches
+/// begun before the signal. `--imatrix-on-device` also holds a chunk's sums on the device until
+/// the chunk ends, so a signal inside a chunk must still leave them in the imatrix.
+#[test]
+fn an_interrupted_offloaded_run_holds_exactly_the_ubatches_before_the_signal() {
+    let server = RpcServer::start();
+    for mode in [&[][..], &["--imatrix-on-device"][..]] {
+        let d = temp_dir(&format!("interrupt-offloaded-{}", mode.len()));
+        // eight ubatches per chunk: the signal almost always lands inside a chunk
+        let mut child = calibrate_cmd(&d, &["-c", "128", "-b", "128", "-ub", "16", "-ofreq", "2", "-ngl", "99", "--rpc", &server.endpoint])
+            .args(mode)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for_file(&mut child, &d.join("i.reap.json"));
+        signal(&child, libc::SIGINT);
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(130), "{mode:?}: {err}");
+        let i = Manifest::read(&d.join("i.manifest.json")).unwrap().interrupted.expect("the manifest records the interruption");
+        eprintln!("{mode:?}: interrupted after {} tokens ({} whole chunks)", i.tokens, i.chunks_done);
+        let im = reap_imatrix::formats::imatrix::load(&d.join("i.gguf")).unwrap();
+        let s = Saliency::read(&d.join("i.reap.json")).unwrap();
+        assert_eq!(s.tokens, i.tokens, "{mode:?}");
+        // a dense weight counts every token; an expert weight each expert's rows, as REAP does
+        assert_eq!(im.entries["blk.0.attn_q.weight"].counts, vec![i.tokens as i64], "{mode:?}");
+        for l in &s.layers {
+            let e = &im.entries[&format!("blk.{}.ffn_down_exps.weight", l.layer)];
+            assert_eq!(e.counts.iter().map(|&c| c as u64).collect::<Vec<_>>(), l.count, "{mode:?} layer {}", l.layer);
+        }
+    }
+}
