@@ -321,11 +321,14 @@ fn tick_loop(generation: u64) {
 }
 
 /// Leaves the screen clean when a bar ends: its final figures on a line of their own.
+/// A run that outlasted the delay gets that line even if it ended before the first redraw.
 fn end_line(s: &State, why: Option<&str>) {
-    if s.style != Style::Live || !(s.ever_shown || LINE_SHOWN.load(Ordering::Relaxed)) {
+    let now = Instant::now();
+    let due = now - s.started >= s.delay;
+    if s.style != Style::Live || !(s.ever_shown || LINE_SHOWN.load(Ordering::Relaxed) || due) {
         return;
     }
-    let mut text = s.line(Instant::now());
+    let mut text = s.line(now);
     if let Some(w) = why {
         text = format!("{text}, {w}");
     }

@@ -176,8 +176,7 @@ fn live_line_under_a_terminal_ends_cleanly_on_success_and_on_sigint() {
 }
 
 /// eval (chunks per model) draws the same line; forced here with `--progress always` and no
-/// delay, read back through the screen emulator. (prune's byte count uses the same bar; on the
-/// 44 MiB fixture it ends before the first redraw, so it is not asserted here.)
+/// delay, read back through the screen emulator.
 #[test]
 fn eval_shows_the_line_too() {
     let d = temp_dir("progress-eval");
@@ -201,4 +200,23 @@ fn eval_shows_the_line_too() {
     // a finished line for the forward passes, and the per-chunk lines kept whole
     assert!(lines.iter().any(|l| l.starts_with("16/16 chunks, ") && l.contains("tok/s")), "{}", lines.join("\n"));
     assert!(lines.iter().any(|l| l.starts_with("chunk ")), "{}", lines.join("\n"));
+}
+
+/// prune counts bytes: forced and without delay, its line ends with the whole file written,
+/// the output's own size.
+#[test]
+fn prune_counts_the_bytes_it_writes() {
+    let d = temp_dir("progress-prune");
+    let model = fixture("qwen3moe");
+    // keep experts 0..16 of every MoE block
+    let layers: Vec<serde_json::Value> = (0..4).map(|b| serde_json::json!({"layer": b, "keep": (0..16).collect::<Vec<u16>>()})).collect();
+    let map = serde_json::json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": 16, "layers": layers});
+    std::fs::write(d.join("map.json"), map.to_string()).unwrap();
+    let o = run_ok(without_delay(Command::new(ours())).current_dir(&d).args(["prune", "--progress", "always", "-m"]).arg(&model).args(["--keep-map", "map.json", "-o", "p.gguf"]));
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(err.ends_with('\n'), "{err:?}");
+    let (lines, _) = screen(&err.replace('\n', "\r\n"));
+    let size = std::fs::metadata(d.join("p.gguf")).unwrap().len() as f64 / (1u64 << 20) as f64;
+    let whole = format!("prune: {size:.2}/{size:.2} MiB, ");
+    assert!(lines.iter().any(|l| l.starts_with(&whole) && l.contains(" MiB/s")), "no line starting {whole:?}:\n{}", lines.join("\n"));
 }
