@@ -294,9 +294,10 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     };
     write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;
     eprintln!(
-        "collection: {:.3} s inside the eval callback over {} chunks",
+        "collection: {:.3} s inside the eval callback over {} chunks; {} matmuls collected from the input of the one before (no callback of their own)",
         ctx.observer().busy.as_secs_f64(),
-        out.chunks_done
+        out.chunks_done,
+        ctx.observer().shared_inputs
     );
     if let Some(r) = &ctx.observer().reducer {
         eprintln!("collection: --imatrix-on-device copied {} bytes of per-chunk sums", r.bytes_out);

@@ -62,8 +62,28 @@ pub struct CalibrationObserver {
     /// read the matmul inputs for the imatrix (true for calibration; `trace-decode` wants
     /// routing only)
     pub collect_imatrix: bool,
+    /// the matmul input collected by the last node observed, if that node read nothing else
+    last_input: Option<LastInput>,
+    /// matmuls collected from the previous one's input without a callback of their own
+    pub shared_inputs: u64,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
+}
+
+/// A matmul input the imatrix just collected. q, k and v read one tensor, and so do the
+/// experts' gate and up (with one routing): the later ones are collected when ggml asks
+/// whether we want them, from this input (in place on the host, else the copy still in the
+/// scratch buffers, or on the device as an alias of this weight's sums), so they cost no
+/// graph split, synchronisation or copy. The same rows in the same order: the same bytes.
+struct LastInput {
+    weight: String,
+    op: sys::ggml_op,
+    input: *mut sys::ggml_tensor,
+    ids: Option<*mut sys::ggml_tensor>,
+    /// matrices in the weight (ne2, ne3): the input rows map to them by these
+    mats: [i64; 2],
+    /// collected through `--imatrix-on-device`'s reducer (else bytes in `scratch_a/b` or in place)
+    reduced: bool,
 }
 
 const PROBS: &str = "ffn_moe_probs";
@@ -113,6 +133,8 @@ impl CalibrationObserver {
             collect_imatrix: true,
             expert_stats_on_device: false,
             reducer: None,
+            last_input: None,
+            shared_inputs: 0,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -318,12 +340,20 @@ impl GraphObserver for CalibrationObserver {
         if self.reap.is_some() && self.reap_reads(node) {
             return true;
         }
-        if !self.collect_imatrix {
+        if !self.collect_imatrix || self.failure.is_some() {
             return false;
         }
         let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return false };
         let t = node.info();
-        imatrix::wants(t.op, imatrix::filter_tensor_name(src0.name()), &src1.info(), self.imatrix.cfg.process_output)
+        if !imatrix::wants(t.op, imatrix::filter_tensor_name(src0.name()), &src1.info(), self.imatrix.cfg.process_output) {
+            return false;
+        }
+        if self.shares_last_input(node) {
+            // collected now, from the input already read; a failure is reported by observing
+            // the node, which stops the graph
+            return !self.collect_shared(node);
+        }
+        true
     }
 
     fn observe(&mut self, node: Node<'_>) -> bool {
@@ -336,6 +366,11 @@ impl GraphObserver for CalibrationObserver {
 
 impl CalibrationObserver {
     fn observe_timed(&mut self, node: Node<'_>) -> bool {
+        // anything observed may overwrite the scratch buffers, and a new ubatch reuses memory
+        self.last_input = None;
+        if self.failure.is_some() {
+            return false;
+        }
         if is_ubatch_start(node) {
             if crate::interrupt::requested().is_some() {
                 // before anything of this ubatch is collected: the previous ones are whole
@@ -356,9 +391,47 @@ impl CalibrationObserver {
         }
         // ffn_moe_down is a MUL_MAT_ID: its input feeds the imatrix, its output REAP
         if self.reap.is_some() && self.reap_reads(node) {
+            self.last_input = None;
             return self.observe_reap(node);
         }
         true
+    }
+
+    /// Whether `node` (a matmul the imatrix wants) reads exactly what the last observed node's
+    /// imatrix collection read: the same input tensor, the same routing, the same matrix layout.
+    fn shares_last_input(&self, node: Node<'_>) -> bool {
+        let Some(l) = &self.last_input else { return false };
+        let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return false };
+        let w = src0.info();
+        node.info().op == l.op
+            && src1.as_ptr() == l.input
+            && node.src(2).map(|n| n.as_ptr()) == l.ids
+            && [w.ne[2], w.ne[3]] == l.mats
+    }
+
+    /// Collects a matmul whose input the last observed node read ([`LastInput`]). Returns
+    /// false on failure (`failure` set).
+    fn collect_shared(&mut self, node: Node<'_>) -> bool {
+        let l = self.last_input.as_ref().unwrap();
+        let (src0, src1) = (node.src(0).unwrap(), node.src(1).unwrap());
+        let wname = imatrix::filter_tensor_name(src0.name()).to_string();
+        let (s1, w) = (src1.info(), src0.info());
+        let result = if l.reduced {
+            let red = self.reducer.as_mut().unwrap();
+            red.alias(&wname, &l.weight).map_err(|e| format!("{wname}: {e:#}"))
+        } else {
+            // in place on the host, else the leader's copy, untouched since (nothing observed)
+            let data = if src1.is_host() { src1.bytes(&mut self.scratch_a) } else { &self.scratch_a[..s1.nbytes()] };
+            if node.info().op == sys::GGML_OP_MUL_MAT_ID {
+                let ids = node.src(2).unwrap();
+                let ids_data = if ids.is_host() { ids.bytes(&mut self.scratch_b) } else { &self.scratch_b[..ids.info().nbytes()] };
+                self.imatrix.collect_mul_mat_id(&wname, w.ne[2], &s1, data, &ids.info(), ids_data)
+            } else {
+                self.imatrix.collect_mul_mat(&wname, w.ne, &s1, data)
+            }
+        };
+        self.shared_inputs += 1;
+        self.after_collect(result)
     }
 
     /// Whether REAP reads this node. A layer's expert outputs are read in place on the host;
@@ -396,6 +469,7 @@ impl CalibrationObserver {
             } else {
                 Err(format!("{wname}: --imatrix-on-device handles one weight matrix per node, this one has {n_mat}"))
             };
+            self.remember_input(node, wname, true);
             return self.after_collect(result);
         }
         if s1.nb[0] != 4 || s1.ty != sys::GGML_TYPE_F32 {
@@ -409,7 +483,21 @@ impl CalibrationObserver {
         } else {
             self.imatrix.collect_mul_mat(&wname, src0.info().ne, &s1, data)
         };
+        self.remember_input(node, wname, false);
         self.after_collect(result)
+    }
+
+    fn remember_input(&mut self, node: Node<'_>, weight: String, reduced: bool) {
+        let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return };
+        let w = src0.info();
+        self.last_input = Some(LastInput {
+            weight,
+            op: node.info().op,
+            input: src1.as_ptr(),
+            ids: node.src(2).map(|n| n.as_ptr()),
+            mats: [w.ne[2], w.ne[3]],
+            reduced,
+        });
     }
 
     /// `--imatrix-on-device`: copies the device accumulators (the ubatches since the last

@@ -41,8 +41,17 @@ struct Accumulator {
     counts: Option<*mut sys::ggml_tensor>,
     /// rows of a dense weight since the last drain (known on the host)
     rows: f64,
-    /// anything added since the last drain
-    dirty: bool,
+    /// additions since the last drain
+    adds: u32,
+}
+
+/// A weight whose input is another's (q/k/v, the experts' gate/up: the observer's
+/// `LastInput`): its sums are its leader's, as long as it was added with it every time.
+struct Alias {
+    name: String,
+    leader: usize,
+    /// times it shared the leader's addition since the last drain
+    adds: u32,
 }
 
 #[derive(Default)]
@@ -50,6 +59,7 @@ pub struct DeviceReducer {
     devices: Vec<Device>,
     /// in order of first sight, which is the graph's order
     accumulators: Vec<Accumulator>,
+    aliases: Vec<Alias>,
     /// bytes copied back to the host (the drained accumulators)
     pub bytes_out: u64,
 }
@@ -134,7 +144,14 @@ impl DeviceReducer {
     /// in first-seen order, and zeroes it: the chunk's sums and counts.
     pub fn drain(&mut self) -> Result<Vec<Reduced>> {
         let mut out = Vec::new();
-        for a in self.accumulators.iter_mut().filter(|a| a.dirty) {
+        for al in self.aliases.iter().filter(|al| al.adds > 0) {
+            let l = &self.accumulators[al.leader];
+            if l.adds != al.adds {
+                bail!("{} shared {}'s input in {} of its {} ubatches", al.name, l.name, al.adds, l.adds);
+            }
+        }
+        let mut drained = vec![None; self.accumulators.len()];
+        for (i, a) in self.accumulators.iter_mut().enumerate().filter(|(_, a)| a.adds > 0) {
             // SAFETY: the accumulators are ours, allocated on their device, and no graph of
             // ours is running (ggml_backend_graph_compute returned).
             unsafe {
@@ -153,9 +170,16 @@ impl DeviceReducer {
                 super::tensor::DEVICE_TO_HOST_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
                 sys::ggml_backend_buffer_clear(a.buf, 0);
                 a.rows = 0.0;
-                a.dirty = false;
+                a.adds = 0;
+                drained[i] = Some(out.len());
                 out.push(Reduced { name: a.name.clone(), n_in: a.n_in, n_as: a.n_as, sums, counts });
             }
+        }
+        for al in self.aliases.iter_mut().filter(|al| al.adds > 0) {
+            let r = &out[drained[al.leader].expect("checked above: the leader was added")];
+            let copy = Reduced { name: al.name.clone(), n_in: r.n_in, n_as: r.n_as, sums: r.sums.clone(), counts: r.counts.clone() };
+            out.push(copy);
+            al.adds = 0;
         }
         Ok(out)
     }
@@ -168,6 +192,9 @@ impl DeviceReducer {
                 bail!("{wname} changed shape or device between ubatches ({}×{} → {n_in}×{n_as})", a.n_in, a.n_as);
             }
             return Ok(i);
+        }
+        if self.aliases.iter().any(|a| a.name == wname) {
+            bail!("shared another weight's input before, now reduced on its own");
         }
         // SAFETY: a context of two tensors, allocated in one buffer on the device and zeroed.
         unsafe {
@@ -183,7 +210,7 @@ impl DeviceReducer {
                 bail!("could not allocate {wname}'s {n_in}×{} sums on the device", n_as.max(1));
             }
             sys::ggml_backend_buffer_clear(buf, 0);
-            self.accumulators.push(Accumulator { name: wname.to_string(), device: d, n_in, n_as, ctx, buf, sums, counts, rows: 0.0, dirty: false });
+            self.accumulators.push(Accumulator { name: wname.to_string(), device: d, n_in, n_as, ctx, buf, sums, counts, rows: 0.0, adds: 0 });
         }
         Ok(self.accumulators.len() - 1)
     }
@@ -203,7 +230,21 @@ impl DeviceReducer {
             let d = acc.device;
             self.run(d, g, &outs)?;
         }
-        self.accumulators[a].dirty = true;
+        self.accumulators[a].adds += 1;
+        Ok(())
+    }
+
+    /// `wname` read the input `leader` was just reduced from: it gets the leader's sums.
+    pub fn alias(&mut self, wname: &str, leader: &str) -> Result<()> {
+        let Some(l) = self.accumulators.iter().position(|a| a.name == leader) else { bail!("{leader} was not reduced on the device") };
+        if self.accumulators.iter().any(|a| a.name == wname) {
+            bail!("reduced on its own before, now sharing {leader}'s input");
+        }
+        match self.aliases.iter_mut().find(|a| a.name == wname) {
+            Some(a) if a.leader != l => bail!("shares {leader}'s input now, {}'s before", self.accumulators[a.leader].name),
+            Some(a) => a.adds += 1,
+            None => self.aliases.push(Alias { name: wname.to_string(), leader: l, adds: 1 }),
+        }
         Ok(())
     }
 

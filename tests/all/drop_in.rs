@@ -503,10 +503,15 @@ fn imatrix_on_device_agrees_with_the_exact_mode() {
     assert!(worst < 1e-4, "{worst}");
     assert!(fast_mib * 4.0 < exact_mib, "{fast_mib} MiB vs {exact_mib} MiB");
     // once per chunk: each weight's sums (and an expert weight's counts) as f32, 4 times,
-    // whatever the ubatch size
-    let per_chunk: u64 = a.entries.values().map(|e| 4 * (e.sums.len() + if e.counts.len() > 1 { e.counts.len() } else { 0 }) as u64).sum();
+    // whatever the ubatch size; k and v read q's input, the experts' gate reads up's (same
+    // size): their sums are not reduced or copied again
+    let shares_input = |name: &str| ["attn_k.weight", "attn_v.weight", "ffn_gate_exps.weight"].iter().any(|s| name.ends_with(s));
+    let per_chunk: u64 = a.entries.iter().filter(|(n, _)| !shares_input(n)).map(|(_, e)| 4 * (e.sums.len() + if e.counts.len() > 1 { e.counts.len() } else { 0 }) as u64).sum();
     assert_eq!(sums_bytes(&fast), 4 * per_chunk, "-ub 32");
     assert_eq!(sums_bytes(&one_ubatch), 4 * per_chunk, "-ub 128");
+    // 3 shared per layer, 4 layers, in each of 16 ubatches (and 4 at -ub 128)
+    let shared = |err: &str| -> u64 { err.split(" matmuls collected from the input of the one before").next().and_then(|s| s.rsplit(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("no shared-input count:\n{err}")) };
+    assert_eq!((shared(&fast), shared(&one_ubatch)), (3 * 4 * 16, 3 * 4 * 4));
 
     // what the imatrix is for: models quantized with either score the same perplexity
     let ppl = |imatrix: &str| {
