@@ -214,10 +214,15 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n_or_default(), plan.args.trace_tokens.unwrap_or(u64::MAX)));
         ReapState::new(trace)
     });
-    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(params.n_gpu_layers);
+    let offloaded = crate::llama::expert_stats::wanted(params.n_gpu_layers);
+    let device_stats = reap.is_some() && offloaded;
     crate::llama::expert_stats::set(device_stats);
+    // --no-reap without --imatrix-on-device keeps upstream's graph (and its splits) for parity
+    let defer = crate::llama::expert_stats::keep_wanted(offloaded, reap.is_some() || plan.args.imatrix_on_device);
+    crate::llama::expert_stats::set_keep(defer);
     let mut observer = CalibrationObserver::new(collector, reap);
     observer.expert_stats_on_device = device_stats;
+    observer.defer = defer;
     if plan.args.imatrix_on_device {
         observer.reducer = Some(crate::llama::reduce::DeviceReducer::default());
     }
@@ -294,10 +299,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     };
     write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;
     eprintln!(
-        "collection: {:.3} s inside the eval callback over {} chunks; {} matmuls collected from the input of the one before (no callback of their own)",
+        "collection: {:.3} s inside the eval callback over {} chunks; {} matmuls collected from the input of the one before (no callback of their own); {} nodes read at the end of their graph",
         ctx.observer().busy.as_secs_f64(),
         out.chunks_done,
-        ctx.observer().shared_inputs
+        ctx.observer().shared_inputs,
+        ctx.observer().deferred_reads
     );
     if let Some(r) = &ctx.observer().reducer {
         eprintln!("collection: --imatrix-on-device copied {} bytes of per-chunk sums", r.bytes_out);

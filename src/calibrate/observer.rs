@@ -66,6 +66,13 @@ pub struct CalibrationObserver {
     last_input: Option<LastInput>,
     /// matmuls collected from the previous one's input without a callback of their own
     pub shared_inputs: u64,
+    /// patch 0002 keeps what we read to the end of the graph: wanted nodes are skipped as they
+    /// pass (no graph split, no device wait) and read there, in the same order
+    pub defer: bool,
+    /// the nodes skipped so far in this graph
+    deferred: Vec<*mut sys::ggml_tensor>,
+    /// nodes read at the end of their graph
+    pub deferred_reads: u64,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -91,6 +98,8 @@ const TOPK: &str = "ffn_moe_topk";
 const WEIGHTED: &str = "ffn_moe_weighted";
 /// the final norm: after it only the output projection (the logits) remains
 const RESULT_NORM: &str = "result_norm";
+/// the logits, the graph's last node: where deferred reads are made
+const RESULT_OUTPUT: &str = "result_output";
 /// patch 0001's per-slot statistics of the experts' outputs, computed on the device
 const EXPERT_NORM: &str = "ffn_moe_down_norm";
 const EXPERT_MAX: &str = "ffn_moe_down_max";
@@ -135,6 +144,9 @@ impl CalibrationObserver {
             reducer: None,
             last_input: None,
             shared_inputs: 0,
+            defer: false,
+            deferred: Vec::new(),
+            deferred_reads: 0,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -182,6 +194,17 @@ impl CalibrationObserver {
 
     /// Encodes the trace rows of the ubatch that just finished.
     pub fn finish_ubatch(&mut self) {
+        if !self.deferred.is_empty() {
+            // the graph ended without a result_output node, or was stopped early
+            if self.failure.is_none() && !self.interrupted && !self.stopped_before_logits {
+                self.fail(format!(
+                    "{} reads were left for the end of a graph that has no {RESULT_OUTPUT} node; run with REAP_DEFER=0 (chunk {})",
+                    self.deferred.len(),
+                    self.chunk
+                ));
+            }
+            self.deferred.clear();
+        }
         let Some(r) = self.reap.as_mut() else { return };
         let (Some(t), Some(u)) = (r.trace.as_mut(), r.batch.current) else { return };
         if t.done() || r.sums.layers.is_empty() {
@@ -337,23 +360,15 @@ impl GraphObserver for CalibrationObserver {
         if is_ubatch_start(node) {
             return true;
         }
-        if self.reap.is_some() && self.reap_reads(node) {
-            return true;
+        if self.defer && node.name() == RESULT_OUTPUT {
+            return true; // the deferred reads are made there
         }
-        if !self.collect_imatrix || self.failure.is_some() {
+        let want = self.wants_now(node);
+        if want && self.defer && self.failure.is_none() && self.reads(node).iter().all(|t| t.is_kept()) {
+            self.deferred.push(node.as_ptr());
             return false;
         }
-        let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return false };
-        let t = node.info();
-        if !imatrix::wants(t.op, imatrix::filter_tensor_name(src0.name()), &src1.info(), self.imatrix.cfg.process_output) {
-            return false;
-        }
-        if self.shares_last_input(node) {
-            // collected now, from the input already read; a failure is reported by observing
-            // the node, which stops the graph
-            return !self.collect_shared(node);
-        }
-        true
+        want
     }
 
     fn observe(&mut self, node: Node<'_>) -> bool {
@@ -365,12 +380,78 @@ impl GraphObserver for CalibrationObserver {
 }
 
 impl CalibrationObserver {
+    /// The tensors whose data reading `node` takes: its input and expert ids (matmuls), the
+    /// gate weights (`ffn_moe_weighted`), its own (REAP's small nodes; the expert outputs
+    /// where REAP reads them).
+    fn reads<'a>(&self, node: Node<'a>) -> Vec<Node<'a>> {
+        let name = node.name();
+        let op = node.info().op;
+        let matmul = op == sys::GGML_OP_MUL_MAT || op == sys::GGML_OP_MUL_MAT_ID;
+        let mut v = Vec::new();
+        if matmul {
+            v.extend(node.src(1));
+            v.extend(node.src(2));
+        }
+        if layer_of(name, WEIGHTED).is_some() {
+            v.extend(node.src(1));
+        } else if !matmul || (expert_out_layer(name).is_some() && self.reap.is_some() && self.reap_reads(node)) {
+            v.push(node);
+        }
+        v
+    }
+
+    /// Whether this node is read (collected now or, with `defer`, at the end of the graph).
+    fn wants_now(&mut self, node: Node<'_>) -> bool {
+        if self.reap.is_some() && self.reap_reads(node) {
+            return true;
+        }
+        if !self.collect_imatrix || self.failure.is_some() {
+            return false;
+        }
+        let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return false };
+        let t = node.info();
+        if !imatrix::wants(t.op, imatrix::filter_tensor_name(src0.name()), &src1.info(), self.imatrix.cfg.process_output) {
+            return false;
+        }
+        // (not while reads wait for the end of the graph: they would come after this one)
+        if self.deferred.is_empty() && self.shares_last_input(node) {
+            // collected now, from the input already read; a failure is reported by observing
+            // the node, which stops the graph
+            return !self.collect_shared(node);
+        }
+        true
+    }
+
+    /// Reads the nodes skipped as they passed, in graph order, as if each had been observed
+    /// then (a matmul sharing the input of the one before collected from it, as at ask time).
+    fn read_deferred(&mut self) -> bool {
+        let nodes = std::mem::take(&mut self.deferred);
+        for p in nodes {
+            // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
+            let Some(node) = (unsafe { Node::from_raw(p) }) else { continue };
+            let shared = !(self.reap.is_some() && self.reap_reads(node)) && self.shares_last_input(node);
+            let ok = if shared { self.collect_shared(node) } else { self.observe_timed(node) };
+            self.deferred_reads += 1;
+            if !ok {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+impl CalibrationObserver {
     fn observe_timed(&mut self, node: Node<'_>) -> bool {
-        // anything observed may overwrite the scratch buffers, and a new ubatch reuses memory
-        self.last_input = None;
         if self.failure.is_some() {
             return false;
         }
+        // whatever is observed now comes after the nodes skipped before it: read those first
+        // (their data is kept), so the collectors see the graph's order
+        if !self.deferred.is_empty() && !self.read_deferred() {
+            return false;
+        }
+        // anything observed may overwrite the scratch buffers, and a new ubatch reuses memory
+        self.last_input = None;
         if is_ubatch_start(node) {
             if crate::interrupt::requested().is_some() {
                 // before anything of this ubatch is collected: the previous ones are whole

@@ -136,9 +136,12 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
     let imatrix = ImatrixCollector::new(ImatrixConfig { chunk_size: n_ctx as i32, out_freq: i32::MAX, save_freq: 0, process_output: false }, Imatrix::default());
     let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(model_params.n_gpu_layers);
     crate::llama::expert_stats::set(device_stats);
+    let defer = crate::llama::expert_stats::keep_wanted(device_stats, true);
+    crate::llama::expert_stats::set_keep(defer);
     let mut observer = CalibrationObserver::new(imatrix, reap);
     observer.collect_imatrix = false;
     observer.expert_stats_on_device = device_stats;
+    observer.defer = defer;
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
     let sampling = if args.temp > 0.0 { Sampling::Temperature { temp: args.temp, seed: args.seed } } else { Sampling::Greedy };
     let mut sampler = Sampler::new(sampling);

@@ -38,3 +38,17 @@ pub fn set(on: bool) {
     // SAFETY: stores a flag the graph builder reads.
     unsafe { sys::llama_reap_set_expert_stats(on) };
 }
+
+/// Whether graphs should keep what the callback reads to their end (patch 0002), so the
+/// observer reads it all there instead of stopping the graph at every node: when layers are
+/// offloaded (`offloaded`: [`wanted`]) and something reads device tensors often (REAP, or
+/// `--imatrix-on-device`). `REAP_DEFER=0` reads node by node (more device waits, less memory).
+pub fn keep_wanted(offloaded: bool, reads_device: bool) -> bool {
+    offloaded && reads_device && std::env::var("REAP_DEFER").map_or(true, |v| v != "0")
+}
+
+/// Switches patch 0002's marking on or off for graphs built from now on (process-wide).
+pub fn set_keep(on: bool) {
+    // SAFETY: stores a flag the graph builder reads.
+    unsafe { sys::llama_reap_set_keep_collected(on) };
+}

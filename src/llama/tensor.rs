@@ -93,6 +93,15 @@ impl<'a> Node<'a> {
         unsafe { Node::from_raw(p) }
     }
 
+    /// Whether the graph keeps this tensor's data to its end (a graph output, and so is the
+    /// tensor it views): patch 0002 marks what the callback reads that way.
+    pub fn is_kept(&self) -> bool {
+        let t = self.t();
+        let out = |t: &sys::ggml_tensor| t.flags & sys::GGML_TENSOR_FLAG_OUTPUT as i32 != 0;
+        // SAFETY: a live tensor's view source is live.
+        out(t) && (t.view_src.is_null() || out(unsafe { &*t.view_src }))
+    }
+
     /// Whether the data lives in host memory (readable in place).
     pub fn is_host(&self) -> bool {
         let t = self.t();

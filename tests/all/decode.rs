@@ -269,3 +269,31 @@ fn trace_decode_offloads_through_rpc() {
         assert_eq!((ra.chunk(), ra.pos(), ra.token()), (rb.chunk(), rb.pos(), rb.token()), "row {i}");
     }
 }
+
+/// Offloaded, the routing each decode step reads is kept to the end of its graph and read
+/// there (patch 0002): the same trace as reading node by node (`REAP_DEFER=0`).
+#[test]
+fn offloaded_decode_traces_the_same_with_reads_at_the_end_of_the_graph() {
+    let server = RpcServer::start();
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-deferred");
+    let prompts = prompts_file(&dir);
+    let go = |defer: &str| {
+        let t = dir.join(format!("t{defer}.bin"));
+        let out = run_ok(
+            Command::new(ours())
+                .env("REAP_DEFER", defer)
+                .args(["trace-decode", "-m"])
+                .arg(&model)
+                .arg("-f")
+                .arg(&prompts)
+                .arg("--trace-out")
+                .arg(&t)
+                .args(["-t", "1", "-n", "6", "-ngl", "99", "--rpc", &server.endpoint]),
+        );
+        (t, generations(&out.stdout))
+    };
+    let ((a, ga), (b, gb)) = (go("1"), go("0"));
+    assert_eq!(ga, gb);
+    assert_same_bytes(&a, &b);
+}

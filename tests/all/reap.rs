@@ -345,3 +345,42 @@ fn device_expert_stats_equal_the_host_computation_to_rounding() {
     }
     assert!(differing > 0, "device and host sums are bit-identical: the device statistics were not read");
 }
+
+/// Patch 0002: offloaded, what the callback reads is kept to the end of the graph and read
+/// there, instead of ending a piece of the graph (and waiting for the device) at every node.
+/// The files are those of reading node by node (`REAP_DEFER=0`), in both imatrix modes, with
+/// two ubatches per chunk and checkpoints on the way.
+#[test]
+fn deferred_reads_give_the_files_of_node_by_node_reads() {
+    let server = RpcServer::start();
+    let model = fixture("qwen3moe");
+    for mode in [&[][..], &["--imatrix-on-device"][..]] {
+        let go = |defer: &str| {
+            let d = temp_dir(&format!("deferred-{defer}-{}", mode.len()));
+            let out = run_ok(
+                Command::new(ours())
+                    .current_dir(&d)
+                    .env("REAP_DEFER", defer)
+                    .arg("-m")
+                    .arg(&model)
+                    .arg("-f")
+                    .arg(corpus())
+                    .args(["-t", "2", "--no-ppl", "-o", "i.gguf", "--trace-out", "t.bin", "-c", "128", "-b", "128", "-ub", "64", "--chunks", "6"])
+                    .args(["-ofreq", "2", "--save-frequency", "3", "-ngl", "99", "--rpc", &server.endpoint])
+                    .args(mode),
+            );
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            let read_at_end: u64 = err
+                .split(" nodes read at the end of their graph")
+                .next()
+                .and_then(|s| s.rsplit(' ').next()?.parse().ok())
+                .unwrap_or_else(|| panic!("no deferred-read count:\n{err}"));
+            (d, read_at_end)
+        };
+        let ((deferred, n), (by_node, zero)) = (go("1"), go("0"));
+        assert!(n > 0 && zero == 0, "{mode:?}: {n} and {zero} nodes read at the end");
+        for f in ["i.gguf", "i.gguf.at_3", "i.gguf.at_6", "i.reap.json", "t.bin"] {
+            assert_same_bytes(&deferred.join(f), &by_node.join(f));
+        }
+    }
+}
