@@ -424,19 +424,34 @@ impl CalibrationObserver {
 
     /// Reads the nodes skipped as they passed, in graph order, as if each had been observed
     /// then (a matmul sharing the input of the one before collected from it, as at ask time).
+    /// `--imatrix-on-device` reductions are queued meanwhile and computed as one graph per
+    /// device before this returns (while the tensors they read are still the graph's).
     fn read_deferred(&mut self) -> bool {
         let nodes = std::mem::take(&mut self.deferred);
+        if let Some(r) = self.reducer.as_mut() {
+            r.batching = true;
+        }
+        let mut ok = true;
         for p in nodes {
             // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
             let Some(node) = (unsafe { Node::from_raw(p) }) else { continue };
             let shared = !(self.reap.is_some() && self.reap_reads(node)) && self.shares_last_input(node);
-            let ok = if shared { self.collect_shared(node) } else { self.observe_timed(node) };
+            ok = if shared { self.collect_shared(node) } else { self.observe_timed(node) };
             self.deferred_reads += 1;
             if !ok {
-                return false;
+                break;
             }
         }
-        true
+        let Some(r) = self.reducer.as_mut() else { return ok };
+        r.batching = false;
+        if !ok {
+            r.discard();
+            return false;
+        }
+        match r.commit() {
+            Ok(()) => true,
+            Err(e) => self.fail(format!("--imatrix-on-device: {e:#} (chunk {})", self.chunk)),
+        }
     }
 }
 

@@ -10,7 +10,9 @@
 //! is pulled in. For MUL_MAT_ID the per-expert sums are one matmul: the squared input rows
 //! `[n_in, R]` times the one-hot routing `[n_expert, R]` (rows of an identity matrix gathered
 //! by the selected ids), R = slots × tokens. The result is added in place into the weight's
-//! accumulator, a tensor of ours on that device; [`DeviceReducer::drain`] copies the
+//! accumulator, a tensor of ours on that device. With `batching` on (the observer's reads at
+//! the end of the graph) the reductions are queued and computed as one graph per device by
+//! [`DeviceReducer::commit`], one launch and one wait for all of them. [`DeviceReducer::drain`] copies the
 //! accumulators back and zeroes them. Sums in f32 in the device's order, so the result is not
 //! upstream's bytes: this mode is never the default.
 
@@ -60,9 +62,28 @@ pub struct DeviceReducer {
     /// in order of first sight, which is the graph's order
     accumulators: Vec<Accumulator>,
     aliases: Vec<Alias>,
+    /// reductions queued per device, not computed yet
+    batches: Vec<Batch>,
+    /// queue reductions until `commit` (else each is computed at once)
+    pub batching: bool,
+    /// graphs computed on devices
+    pub graphs_run: u64,
     /// bytes copied back to the host (the drained accumulators)
     pub bytes_out: u64,
 }
+
+/// Reductions queued on one device, computed together by `commit`.
+struct Batch {
+    device: usize,
+    g: Graph,
+    outs: Vec<*mut sys::ggml_tensor>,
+    /// accumulators written: each at most once per graph
+    accs: Vec<usize>,
+}
+
+/// Reductions per graph, and a bound on the tensors one creates.
+const BATCH_REDUCTIONS: usize = 512;
+const TENSORS_PER_REDUCTION: usize = 40;
 
 /// One weight's per-expert (or single) sums and row counts, as drained.
 pub struct Reduced {
@@ -84,16 +105,16 @@ impl DeviceReducer {
         let d = self.device_of(x)?;
         // SAFETY: x is live for the callback; the graph reads it and writes only its own tensors.
         unsafe {
-            let g = Graph::new()?;
-            let xl = g.leaf(x);
             let n_in = (*x).ne[0];
             let rows = sys::ggml_nrows(x);
-            let sq = sys::ggml_sqr(g.ctx, sys::ggml_reshape_2d(g.ctx, sys::ggml_cont(g.ctx, xl), n_in, rows));
-            // [rows, n_in] → Σ over rows per column
-            let sums = sys::ggml_sum_rows(g.ctx, sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, sq)));
             let a = self.accumulator(wname, d, n_in, 0)?;
+            let ctx = self.batch_for(d, a)?;
+            let xl = leaf(ctx, x);
+            let sq = sys::ggml_sqr(ctx, sys::ggml_reshape_2d(ctx, sys::ggml_cont(ctx, xl), n_in, rows));
+            // [rows, n_in] → Σ over rows per column
+            let sums = sys::ggml_sum_rows(ctx, sys::ggml_cont(ctx, sys::ggml_transpose(ctx, sq)));
             self.accumulators[a].rows += rows as f64;
-            self.add(a, &g, sums, None)
+            self.add(a, ctx, sums, None)
         }
     }
 
@@ -114,35 +135,36 @@ impl DeviceReducer {
                 bail!("input {:?} and ids {:?} do not match", (*x).ne, (*ids).ne);
             }
             let identity = self.identity(d, n_expert)?;
-            let g = Graph::new()?;
-            let (xl, il) = (g.leaf(x), g.leaf(ids));
-            let ids_flat = sys::ggml_reshape_1d(g.ctx, sys::ggml_cont(g.ctx, il), k * t);
+            let acc = self.accumulator(wname, d, n_in, n_expert)?;
+            let ctx = self.batch_for(d, acc)?;
+            let (xl, il) = (leaf(ctx, x), leaf(ctx, ids));
+            let ids_flat = sys::ggml_reshape_1d(ctx, sys::ggml_cont(ctx, il), k * t);
             // one-hot rows of the routing: [n_expert, k·T]
-            let onehot = sys::ggml_get_rows(g.ctx, identity, ids_flat);
-            let sq = sys::ggml_sqr(g.ctx, sys::ggml_cont(g.ctx, xl));
+            let onehot = sys::ggml_get_rows(ctx, identity, ids_flat);
+            let sq = sys::ggml_sqr(ctx, sys::ggml_cont(ctx, xl));
             let (a, b) = if n11 == 1 {
                 // one input row per token, used by each of its k slots: weight it by the number
                 // of its slots that chose each expert
-                let per_tok = sys::ggml_reshape_3d(g.ctx, onehot, n_expert, k, t);
-                let picks = sys::ggml_sum_rows(g.ctx, sys::ggml_cont(g.ctx, sys::ggml_permute(g.ctx, per_tok, 1, 0, 2, 3)));
-                let picks = sys::ggml_reshape_2d(g.ctx, picks, n_expert, t);
-                (sys::ggml_reshape_2d(g.ctx, sq, n_in, t), picks)
+                let per_tok = sys::ggml_reshape_3d(ctx, onehot, n_expert, k, t);
+                let picks = sys::ggml_sum_rows(ctx, sys::ggml_cont(ctx, sys::ggml_permute(ctx, per_tok, 1, 0, 2, 3)));
+                let picks = sys::ggml_reshape_2d(ctx, picks, n_expert, t);
+                (sys::ggml_reshape_2d(ctx, sq, n_in, t), picks)
             } else {
-                (sys::ggml_reshape_2d(g.ctx, sq, n_in, k * t), onehot)
+                (sys::ggml_reshape_2d(ctx, sq, n_in, k * t), onehot)
             };
             // sums[e][j] = Σ_r a[j, r]·b[e, r]: a matmul over the row axis
-            let at = sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, a));
-            let bt = sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, b));
-            let sums = sys::ggml_mul_mat(g.ctx, at, bt);
-            let counts = sys::ggml_sum_rows(g.ctx, sys::ggml_cont(g.ctx, sys::ggml_transpose(g.ctx, onehot)));
-            let a = self.accumulator(wname, d, n_in, n_expert)?;
-            self.add(a, &g, sums, Some(counts))
+            let at = sys::ggml_cont(ctx, sys::ggml_transpose(ctx, a));
+            let bt = sys::ggml_cont(ctx, sys::ggml_transpose(ctx, b));
+            let sums = sys::ggml_mul_mat(ctx, at, bt);
+            let counts = sys::ggml_sum_rows(ctx, sys::ggml_cont(ctx, sys::ggml_transpose(ctx, onehot)));
+            self.add(acc, ctx, sums, Some(counts))
         }
     }
 
     /// Copies every accumulator that received something since the last drain to the host,
     /// in first-seen order, and zeroes it: the chunk's sums and counts.
     pub fn drain(&mut self) -> Result<Vec<Reduced>> {
+        self.commit()?;
         let mut out = Vec::new();
         for al in self.aliases.iter().filter(|al| al.adds > 0) {
             let l = &self.accumulators[al.leader];
@@ -215,23 +237,60 @@ impl DeviceReducer {
         Ok(self.accumulators.len() - 1)
     }
 
-    /// Computes `g`, whose results are `sums` (as many elements as the accumulator's) and
-    /// `counts`, adding them in place into accumulator `a`.
-    unsafe fn add(&mut self, a: usize, g: &Graph, sums: *mut sys::ggml_tensor, counts: Option<*mut sys::ggml_tensor>) -> Result<()> {
+    /// Queues, in `ctx` (the batch of the accumulator's device), the in-place addition of
+    /// `sums` (as many elements as the accumulator's) and `counts` into accumulator `a`;
+    /// computes it now unless batching.
+    unsafe fn add(&mut self, a: usize, ctx: *mut sys::ggml_context, sums: *mut sys::ggml_tensor, counts: Option<*mut sys::ggml_tensor>) -> Result<()> {
         let acc = &self.accumulators[a];
+        let d = acc.device;
         unsafe {
             let mut outs = Vec::with_capacity(2);
-            let s = g.leaf(acc.sums);
-            outs.push(sys::ggml_add_inplace(g.ctx, s, sys::ggml_reshape(g.ctx, sys::ggml_cont(g.ctx, sums), s)));
+            let s = leaf(ctx, acc.sums);
+            outs.push(sys::ggml_add_inplace(ctx, s, sys::ggml_reshape(ctx, sys::ggml_cont(ctx, sums), s)));
             if let (Some(c), Some(acc_c)) = (counts, acc.counts) {
-                let cl = g.leaf(acc_c);
-                outs.push(sys::ggml_add_inplace(g.ctx, cl, sys::ggml_reshape(g.ctx, sys::ggml_cont(g.ctx, c), cl)));
+                let cl = leaf(ctx, acc_c);
+                outs.push(sys::ggml_add_inplace(ctx, cl, sys::ggml_reshape(ctx, sys::ggml_cont(ctx, c), cl)));
             }
-            let d = acc.device;
-            self.run(d, g, &outs)?;
+            let b = self.batches.iter_mut().find(|b| b.device == d).expect("batch_for made it");
+            b.outs.extend(outs);
+            b.accs.push(a);
         }
         self.accumulators[a].adds += 1;
+        if !self.batching {
+            self.commit()?;
+        }
         Ok(())
+    }
+
+    /// The context to build a reduction into `a` on device `d`: that device's batch, which is
+    /// computed first if it already writes `a` or is full.
+    fn batch_for(&mut self, d: usize, a: usize) -> Result<*mut sys::ggml_context> {
+        if self.batches.iter().any(|b| b.device == d && (b.accs.contains(&a) || b.accs.len() >= BATCH_REDUCTIONS)) {
+            self.commit()?;
+        }
+        if let Some(b) = self.batches.iter().find(|b| b.device == d) {
+            return Ok(b.g.ctx);
+        }
+        let g = Graph::new(BATCH_REDUCTIONS * TENSORS_PER_REDUCTION)?;
+        let ctx = g.ctx;
+        self.batches.push(Batch { device: d, g, outs: Vec::new(), accs: Vec::new() });
+        Ok(ctx)
+    }
+
+    /// Computes every queued reduction: one graph per device.
+    pub fn commit(&mut self) -> Result<()> {
+        for b in std::mem::take(&mut self.batches) {
+            // SAFETY: the batch's leaves point at tensors live for the callback that queued them,
+            // which is still running (the observer commits before it returns).
+            unsafe { self.run(b.device, &b.g, &b.outs)? };
+            self.graphs_run += 1;
+        }
+        Ok(())
+    }
+
+    /// Drops the queued reductions (the run is failing).
+    pub fn discard(&mut self) {
+        self.batches.clear();
     }
 
     /// `wname` read the input `leader` was just reduced from: it gets the leader's sums.
@@ -300,7 +359,7 @@ impl DeviceReducer {
     unsafe fn run(&mut self, d: usize, g: &Graph, outs: &[*mut sys::ggml_tensor]) -> Result<()> {
         let dev = &self.devices[d];
         unsafe {
-            let gf = sys::ggml_new_graph(g.ctx);
+            let gf = sys::ggml_new_graph_custom(g.ctx, g.capacity as usize, false);
             for &o in outs {
                 sys::ggml_build_forward_expand(gf, o);
             }
@@ -339,14 +398,16 @@ impl Drop for DeviceReducer {
 /// A metadata-only context for one reduction graph.
 struct Graph {
     ctx: *mut sys::ggml_context,
+    /// tensors (and graph nodes) it has room for
+    capacity: usize,
 }
 
 impl Graph {
-    fn new() -> Result<Graph> {
-        // SAFETY: a no_alloc context for a few tensors and one graph.
+    fn new(capacity: usize) -> Result<Graph> {
+        // SAFETY: a no_alloc context for `capacity` tensors and one graph of as many nodes.
         let ctx = unsafe {
             sys::ggml_init(sys::ggml_init_params {
-                mem_size: sys::ggml_tensor_overhead() * 64 + sys::ggml_graph_overhead(),
+                mem_size: sys::ggml_tensor_overhead() * capacity + sys::ggml_graph_overhead_custom(capacity, false),
                 mem_buffer: std::ptr::null_mut(),
                 no_alloc: true,
             })
@@ -354,18 +415,18 @@ impl Graph {
         if ctx.is_null() {
             bail!("ggml_init failed");
         }
-        Ok(Graph { ctx })
+        Ok(Graph { ctx, capacity })
     }
+}
 
-    /// A leaf with `x`'s type, shape, strides, buffer and data, and no sources.
-    unsafe fn leaf(&self, x: *mut sys::ggml_tensor) -> *mut sys::ggml_tensor {
-        unsafe {
-            let l = sys::ggml_new_tensor(self.ctx, (*x).type_, 4, (*x).ne.as_ptr());
-            (*l).nb = (*x).nb;
-            (*l).buffer = (*x).buffer;
-            (*l).data = (*x).data;
-            l
-        }
+/// A leaf in `ctx` with `x`'s type, shape, strides, buffer and data, and no sources.
+unsafe fn leaf(ctx: *mut sys::ggml_context, x: *mut sys::ggml_tensor) -> *mut sys::ggml_tensor {
+    unsafe {
+        let l = sys::ggml_new_tensor(ctx, (*x).type_, 4, (*x).ne.as_ptr());
+        (*l).nb = (*x).nb;
+        (*l).buffer = (*x).buffer;
+        (*l).data = (*x).data;
+        l
     }
 }
 

@@ -375,10 +375,16 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
                 .next()
                 .and_then(|s| s.rsplit(' ').next()?.parse().ok())
                 .unwrap_or_else(|| panic!("no deferred-read count:\n{err}"));
-            (d, read_at_end)
+            let graphs: Option<u64> = err.split(" reduction graphs run").next().and_then(|s| s.rsplit(' ').next()?.parse().ok());
+            (d, read_at_end, graphs)
         };
-        let ((deferred, n), (by_node, zero)) = (go("1"), go("0"));
+        let ((deferred, n, batched), (by_node, zero, one_by_one)) = (go("1"), go("0"));
         assert!(n > 0 && zero == 0, "{mode:?}: {n} and {zero} nodes read at the end");
+        if !mode.is_empty() {
+            // 6 chunks of 2 ubatches; per ubatch and layer 5 weights of their own input (q, o,
+            // the router, up/gate, down): one graph per ubatch when read at the end
+            assert_eq!((batched, one_by_one), (Some(12), Some(12 * 4 * 5)));
+        }
         for f in ["i.gguf", "i.gguf.at_3", "i.gguf.at_6", "i.reap.json", "t.bin"] {
             assert_same_bytes(&deferred.join(f), &by_node.join(f));
         }
