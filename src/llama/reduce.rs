@@ -12,9 +12,9 @@
 //! by the selected ids), R = slots × tokens. The result is added in place into the weight's
 //! accumulator, a tensor of ours on that device. With `batching` on (the observer's reads at
 //! the end of the graph) the reductions are queued and computed as one graph per device by
-//! [`DeviceReducer::commit`], one launch and one wait for all of them. [`DeviceReducer::drain`] copies the
-//! accumulators back and zeroes them. Sums in f32 in the device's order, so the result is not
-//! upstream's bytes: this mode is never the default.
+//! [`DeviceReducer::commit`], one launch and one wait for all of them.
+//! [`DeviceReducer::drain`] copies the accumulators back and zeroes them. Sums in f32 in the
+//! device's order, so the result is not upstream's bytes: this mode is never the default.
 
 use super::{sys, Node};
 use anyhow::{bail, Result};
