@@ -14,8 +14,14 @@ pub struct NativeLibs {
     pub source_dir: PathBuf,
     pub lib_dirs: Vec<PathBuf>,
     pub patches_digest: String,
-    cuda: bool,
+    cuda: Option<CudaLink>,
     rpc: bool,
+}
+
+/// What the final link needs for ggml-cuda
+struct CudaLink {
+    lib_dirs: Vec<PathBuf>,
+    driver_dir: Option<PathBuf>,
 }
 
 pub fn build_llama(cfg: &Config, pristine: &Path) -> Result<NativeLibs, String> {
@@ -42,7 +48,11 @@ pub fn build_llama(cfg: &Config, pristine: &Path) -> Result<NativeLibs, String> 
     if lib_dirs.is_empty() {
         return Err(format!("no static libraries under {}; remove that folder and rebuild", root.display()));
     }
-    Ok(NativeLibs { source_dir, lib_dirs, patches_digest, cuda: cfg.cuda, rpc: cfg.rpc })
+    let cuda = cfg
+        .cuda_toolkit
+        .as_ref()
+        .map(|t| CudaLink { lib_dirs: t.lib_dirs.clone(), driver_dir: t.driver_dir.clone() });
+    Ok(NativeLibs { source_dir, lib_dirs, patches_digest, cuda, rpc: cfg.rpc })
 }
 
 fn build_key(cfg: &Config, patches_digest: &str) -> String {
@@ -57,6 +67,9 @@ fn build_key(cfg: &Config, patches_digest: &str) -> String {
         // the default key is unchanged, so existing native builds stay valid
         if cfg.native { "" } else { "|native=off" }
     ));
+    if let Some(t) = &cfg.cuda_toolkit {
+        h.update(format!("|{}|{}|vmm={}", t.root.display(), t.architectures, t.driver_dir.is_some()));
+    }
     let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
     format!("{}-{}", cfg.pin.commit, &hex[..12])
 }
@@ -84,10 +97,13 @@ fn run_cmake(cfg: &Config, source_dir: &Path, root: &Path) -> Result<(), String>
         // only when asked: the default is left to ggml, exactly as the reference tools build
         c.define("GGML_NATIVE", "OFF");
     }
-    if cfg.cuda {
-        // "native" only works where a GPU is visible; build for the common server parts otherwise
-        let archs = std::env::var("CMAKE_CUDA_ARCHITECTURES").unwrap_or_else(|_| "80;86;89;90".into());
-        c.define("CMAKE_CUDA_ARCHITECTURES", archs);
+    if let Some(t) = &cfg.cuda_toolkit {
+        c.define("CMAKE_CUDA_ARCHITECTURES", &t.architectures)
+            .define("CMAKE_CUDA_COMPILER", t.root.join("bin/nvcc"))
+            .define("CUDAToolkit_ROOT", &t.root);
+        if t.driver_dir.is_none() {
+            c.define("GGML_CUDA_NO_VMM", "ON");
+        }
     }
     // the cmake crate panics on failure; turn that into our one-message error
     crate::quiet_panics(|| {
@@ -126,20 +142,26 @@ impl NativeLibs {
         if self.rpc {
             libs.push("ggml-rpc");
         }
-        if self.cuda {
+        if self.cuda.is_some() {
             libs.push("ggml-cuda");
         }
         libs.extend(["ggml-cpu", "ggml-base"]);
         for l in libs {
             println!("cargo:rustc-link-lib=static={l}");
         }
-        if self.cuda {
-            for l in ["cudart", "cublas", "cublasLt", "cuda"] {
+        if let Some(cuda) = &self.cuda {
+            for d in &cuda.lib_dirs {
+                println!("cargo:rustc-link-search=native={}", d.display());
+                // found at run time where the toolkit is; elsewhere LD_LIBRARY_PATH names them
+                println!("cargo:rustc-link-arg=-Wl,-rpath,{}", d.display());
+            }
+            for l in ["cudart", "cublas", "cublasLt"] {
                 println!("cargo:rustc-link-lib={l}");
             }
-            let cuda = std::env::var("CUDA_PATH").unwrap_or_else(|_| "/usr/local/cuda".into());
-            println!("cargo:rustc-link-search=native={cuda}/lib64");
-            println!("cargo:rustc-link-search=native={cuda}/lib64/stubs");
+            if let Some(d) = &cuda.driver_dir {
+                println!("cargo:rustc-link-search=native={}", d.display());
+                println!("cargo:rustc-link-lib=cuda");
+            }
         }
         if cfg.target_os == "linux" {
             for l in ["stdc++", "gomp", "m", "dl", "pthread"] {
