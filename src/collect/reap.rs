@@ -123,8 +123,12 @@ impl ReapCollector {
         r.n_tokens = n_tokens;
         r.probs.clear();
         for tok in 0..n_tokens {
-            for e in 0..n_expert {
-                r.probs.push(read_f32(data, t.offset([e as i64, tok as i64, 0, 0])));
+            let row = t.offset([0, tok as i64, 0, 0]);
+            if t.nb[0] == 4 {
+                // a contiguous row: one copy (n_expert values per token and layer add up)
+                r.probs.extend_from_slice(f32s(data, row, n_expert));
+            } else {
+                r.probs.extend((0..n_expert).map(|e| read_f32(data, row + e * t.nb[0])));
             }
         }
         Ok(())
