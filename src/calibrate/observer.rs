@@ -121,6 +121,11 @@ fn stats_source(node: Node<'_>) -> Option<Node<'_>> {
     }
     expert_out_layer(n.name()).is_some().then_some(n)
 }
+/// Reads skipped in a graph that ended before they were made (it has no logits node).
+fn leftover_reads(n: usize, chunk: i32) -> String {
+    format!("{n} reads were left for the end of a graph that has no {RESULT_OUTPUT} node; run with REAP_DEFER=0 (chunk {chunk})")
+}
+
 /// The token-embedding lookup (`GET_ROWS` of `inp_tokens`) opens every ubatch's graph.
 fn is_ubatch_start(node: Node<'_>) -> bool {
     node.info().op == sys::GGML_OP_GET_ROWS && node.src(1).is_some_and(|s| s.name() == "inp_tokens")
@@ -197,11 +202,7 @@ impl CalibrationObserver {
         if !self.deferred.is_empty() {
             // the graph ended without a result_output node, or was stopped early
             if self.failure.is_none() && !self.interrupted && !self.stopped_before_logits {
-                self.fail(format!(
-                    "{} reads were left for the end of a graph that has no {RESULT_OUTPUT} node; run with REAP_DEFER=0 (chunk {})",
-                    self.deferred.len(),
-                    self.chunk
-                ));
+                self.fail(leftover_reads(self.deferred.len(), self.chunk));
             }
             self.deferred.clear();
         }
@@ -462,8 +463,16 @@ impl CalibrationObserver {
         }
         // whatever is observed now comes after the nodes skipped before it: read those first
         // (their data is kept), so the collectors see the graph's order
-        if !self.deferred.is_empty() && !self.read_deferred() {
-            return false;
+        if !self.deferred.is_empty() {
+            if is_ubatch_start(node) {
+                // skipped in the previous graph, whose memory this one reuses: never read them
+                let n = self.deferred.len();
+                self.deferred.clear();
+                return self.fail(leftover_reads(n, self.chunk));
+            }
+            if !self.read_deferred() {
+                return false;
+            }
         }
         // anything observed may overwrite the scratch buffers, and a new ubatch reuses memory
         self.last_input = None;
