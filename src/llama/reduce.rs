@@ -271,7 +271,8 @@ impl DeviceReducer {
         if let Some(b) = self.batches.iter().find(|b| b.device == d) {
             return Ok(b.g.ctx);
         }
-        let g = Graph::new(BATCH_REDUCTIONS * TENSORS_PER_REDUCTION)?;
+        // room for a whole batch only when batching: otherwise it holds one reduction
+        let g = Graph::new(TENSORS_PER_REDUCTION * if self.batching { BATCH_REDUCTIONS } else { 1 })?;
         let ctx = g.ctx;
         self.batches.push(Batch { device: d, g, outs: Vec::new(), accs: Vec::new() });
         Ok(ctx)
