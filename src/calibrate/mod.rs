@@ -220,9 +220,15 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     // --no-reap without --imatrix-on-device keeps upstream's graph (and its splits) for parity
     let defer = crate::llama::expert_stats::keep_wanted(offloaded, reap.is_some() || plan.args.imatrix_on_device);
     crate::llama::expert_stats::set_keep(defer);
+    let router_on_device = device_stats && crate::llama::expert_stats::router_wanted(defer);
+    let trace_top_n = reap.as_ref().and_then(|r| r.trace.as_ref()).map(|t| t.top_n);
+    let router_candidates = if router_on_device { crate::llama::expert_stats::router_candidates(trace_top_n, model.n_expert()) } else { 0 };
+    crate::llama::expert_stats::set_router_candidates(router_candidates);
     let mut observer = CalibrationObserver::new(collector, reap);
     observer.expert_stats_on_device = device_stats;
     observer.defer = defer;
+    observer.router_on_device = router_on_device;
+    observer.router_candidates = router_candidates;
     if plan.args.imatrix_on_device {
         observer.reducer = Some(crate::llama::reduce::DeviceReducer::default());
     }
@@ -312,10 +318,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     if copied > 0 {
         let tokens = (out.chunks_done as u64 * plan.n_ctx as u64).max(1);
         eprintln!(
-            "collection: {:.1} MiB copied from device buffers ({} bytes per token; expert statistics read {})",
+            "collection: {:.1} MiB copied from device buffers ({} bytes per token; expert statistics read {}; router {})",
             copied as f64 / (1u64 << 20) as f64,
             copied / tokens,
-            if ctx.observer().expert_stats_on_device { "on the device" } else { "from the host copies" }
+            if ctx.observer().expert_stats_on_device { "on the device" } else { "from the host copies" },
+            ctx.observer().router_summary()
         );
     }
     eprintln!("imatrix written to {}", plan.args.output_file.display());

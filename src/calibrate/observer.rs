@@ -73,6 +73,17 @@ pub struct CalibrationObserver {
     deferred: Vec<*mut sys::ggml_tensor>,
     /// nodes read at the end of their graph
     pub deferred_reads: u64,
+    /// patch 0003 (with `defer`): a layer whose router probabilities are off-host is read
+    /// through the selected experts' probabilities and, with a trace, `router_candidates`
+    /// candidates per token computed there, instead of the whole `[n_expert, T]` probabilities
+    pub router_on_device: bool,
+    /// the candidates per token the graphs were built with (the trace's top-n + 1; 0: none)
+    pub router_candidates: usize,
+    /// per MoE layer slot, this ubatch's probabilities node (left on the device, kept): the
+    /// rows the candidates do not decide are read from it
+    probs_nodes: Vec<*mut sys::ggml_tensor>,
+    /// router probability rows read whole because the candidates did not decide them
+    pub candidate_rows_read: u64,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -94,6 +105,11 @@ struct LastInput {
 }
 
 const PROBS: &str = "ffn_moe_probs";
+/// the router probabilities at the selected experts (upstream's GET_ROWS; kept by patch 0003)
+const SEL_PROBS: &str = "ffn_moe_weights";
+/// patch 0003's router candidates: top-k ids of the probabilities, and their probabilities
+const CAND: &str = "ffn_moe_cand";
+const CAND_P: &str = "ffn_moe_cand_p";
 const TOPK: &str = "ffn_moe_topk";
 const WEIGHTED: &str = "ffn_moe_weighted";
 /// the final norm: after it only the output projection (the logits) remains
@@ -152,6 +168,10 @@ impl CalibrationObserver {
             defer: false,
             deferred: Vec::new(),
             deferred_reads: 0,
+            router_on_device: false,
+            router_candidates: 0,
+            probs_nodes: Vec::new(),
+            candidate_rows_read: 0,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -214,6 +234,11 @@ impl CalibrationObserver {
         // --trace-top-n is at most n_expert
         t.top_n = t.top_n.min(r.sums.layers[0].n_expert);
         let Some(header) = r.trace_header() else { return };
+        if let Err(e) = r.trace.as_ref().unwrap().check_routing(&r.sums.routing) {
+            let msg = format!("{e} (chunk {})", self.chunk);
+            self.fail(msg);
+            return;
+        }
         let t = r.trace.as_mut().unwrap();
         let sources = &r.batch.ubatches[u];
         t.add_ubatch(&header.layout(), &r.sums.routing, sources);
@@ -241,8 +266,31 @@ impl CalibrationObserver {
                 let op = unsafe { std::ffi::CStr::from_ptr(sys::ggml_op_name(t.op)) };
                 r.gating_op = Some(op.to_string_lossy().into_owned());
             }
+            let on_device = self.router_read_on_device(node, t.ne[0]);
+            let r = self.reap.as_mut().unwrap();
+            match r.sums.slot_for(block, t.ne[0] as usize, 0) {
+                Err(e) => Err(e),
+                Ok(s) if on_device => {
+                    if self.probs_nodes.len() <= s {
+                        self.probs_nodes.resize(s + 1, std::ptr::null_mut());
+                    }
+                    self.probs_nodes[s] = node.as_ptr();
+                    r.sums.on_probs_on_device(s, &t)
+                }
+                Ok(s) => r.sums.on_probs(s, &t, node.bytes(&mut self.scratch_a)),
+            }
+        } else if let Some(block) = layer_of(name, SEL_PROBS) {
             let data = node.bytes(&mut self.scratch_a);
-            r.sums.slot_for(block, t.ne[0] as usize, 0).and_then(|s| r.sums.on_probs(s, &t, data))
+            routed_slot(&r.sums, name, block).and_then(|s| r.sums.on_sel_probs(s, &node.info(), data))
+        } else if let Some(block) = layer_of(name, CAND) {
+            let data = node.bytes(&mut self.scratch_a);
+            routed_slot(&r.sums, name, block).and_then(|s| r.sums.on_cand_ids(s, &node.info(), data))
+        } else if let Some(block) = layer_of(name, CAND_P) {
+            let data = node.bytes(&mut self.scratch_a);
+            match routed_slot(&r.sums, name, block).and_then(|s| Ok((s, r.sums.on_cand_probs(s, &node.info(), data)?))) {
+                Ok((s, undecided)) => self.read_candidate_rows(s, &undecided),
+                Err(e) => Err(e),
+            }
         } else if let Some(block) = layer_of(name, TOPK) {
             let t = node.info();
             let data = node.bytes(&mut self.scratch_a);
@@ -297,6 +345,85 @@ impl CalibrationObserver {
             Err(e) => self.fail(format!("{e} (chunk {})", self.chunk)),
         }
     }
+}
+
+/// Undecided candidate rows of a layer read one copy each up to this many, else the whole
+/// probabilities in one copy.
+const ROWS_READ_ONE_BY_ONE: usize = 4;
+
+impl CalibrationObserver {
+    /// How the router was read, for the run's summary.
+    pub fn router_summary(&self) -> String {
+        let trace = self.reap.as_ref().is_some_and(|r| r.trace.is_some());
+        match (self.router_on_device, self.router_candidates) {
+            (false, _) => "probabilities read whole".into(),
+            (true, 0) if trace => "probabilities read whole (the trace's top-n is over half the experts)".into(),
+            (true, 0) => "selected probabilities read on the device".into(),
+            (true, n) => format!(
+                "selected probabilities and {} candidates per token read on the device, {} rows read whole at ties",
+                n - 1,
+                self.candidate_rows_read
+            ),
+        }
+    }
+
+    /// Whether a layer's router is read through patch 0003's nodes: its probabilities
+    /// (`probs`, `n_expert` wide) are off-host, and a trace, if any, gets its candidates there.
+    fn router_read_on_device(&self, probs: Node<'_>, n_expert: i64) -> bool {
+        if !self.router_on_device || probs.is_host() {
+            return false;
+        }
+        let trace = self.reap.as_ref().is_some_and(|r| r.trace.is_some());
+        !trace || (self.router_candidates > 0 && (self.router_candidates as i64) < n_expert)
+    }
+
+    /// The rows of `slot`'s probabilities whose candidates did not decide the trace's top n
+    /// ([`crate::collect::reap::order_candidates`]): read from the probabilities node, kept to
+    /// the end of the graph by patch 0002, and chosen from as on the host.
+    fn read_candidate_rows(&mut self, slot: usize, tokens: &[usize]) -> Result<(), String> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: this ubatch's probabilities node (observed before its candidates, in this
+        // graph), kept by patch 0002.
+        let probs = self.probs_nodes.get(slot).and_then(|&p| unsafe { Node::from_raw(p) });
+        let Some(probs) = probs.filter(|p| p.is_kept()) else {
+            return Err(format!("router candidates of MoE layer slot {slot}: the probabilities are not kept to the end of the graph"));
+        };
+        let t = probs.info();
+        if t.nb[0] != 4 {
+            return Err(format!("{}: rows are not contiguous f32 (nb0 {})", t.name, t.nb[0]));
+        }
+        let n_expert = t.ne[0] as usize;
+        let mut row = Vec::with_capacity(n_expert);
+        let mut order = Vec::new();
+        let r = self.reap.as_mut().unwrap();
+        let fill = |row: &mut Vec<f32>, bytes: &[u8]| {
+            row.clear();
+            row.extend(bytes.chunks_exact(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())));
+        };
+        // a copy costs a device round trip: a few rows one by one, more in one copy of all
+        if tokens.len() >= ROWS_READ_ONE_BY_ONE {
+            let all = probs.bytes(&mut self.scratch_b);
+            for &tok in tokens {
+                let off = t.offset([0, tok as i64, 0, 0]);
+                fill(&mut row, &all[off..off + n_expert * 4]);
+                r.sums.on_cand_row(slot, tok, &row, &mut order);
+            }
+        } else {
+            for &tok in tokens {
+                fill(&mut row, probs.bytes_at(t.offset([0, tok as i64, 0, 0]), n_expert * 4, &mut self.scratch_b));
+                r.sums.on_cand_row(slot, tok, &row, &mut order);
+            }
+        }
+        self.candidate_rows_read += tokens.len() as u64;
+        Ok(())
+    }
+}
+
+/// The slot of MoE layer `block`, whose routing must have been seen before `name`.
+fn routed_slot(sums: &ReapCollector, name: &str, block: usize) -> Result<usize, String> {
+    sums.slot(block).ok_or_else(|| format!("{name}: routing of layer {block} was not seen first"))
 }
 
 /// The graph's own input tokens for ubatch `u` must be the ones we expect in each row.
@@ -395,6 +522,8 @@ impl CalibrationObserver {
         }
         if layer_of(name, WEIGHTED).is_some() {
             v.extend(node.src(1));
+        } else if layer_of(name, PROBS).is_some() && self.router_read_on_device(node, node.info().ne[0]) {
+            // only its shape now; rows the candidates do not decide at the end (kept)
         } else if !matmul || (expert_out_layer(name).is_some() && self.reap.is_some() && self.reap_reads(node)) {
             v.push(node);
         }
@@ -549,6 +678,14 @@ impl CalibrationObserver {
         }
         if expert_out_layer(name).is_some() {
             return !(self.expert_stats_on_device && !node.is_host());
+        }
+        // patch 0003's nodes, read where the layer's router is: ffn_moe_cand from the
+        // [n_expert, T] probabilities, the others from their [1, n_expert, T] view
+        if layer_of(name, CAND).is_some() {
+            return node.src(0).is_some_and(|p| self.router_read_on_device(p, p.info().ne[0]));
+        }
+        if layer_of(name, CAND_P).is_some() || layer_of(name, SEL_PROBS).is_some() {
+            return node.src(0).is_some_and(|p| self.router_read_on_device(p, p.info().ne[1]));
         }
         is_reap_node(node)
     }

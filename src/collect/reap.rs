@@ -46,6 +46,62 @@ pub struct LayerRouting {
     pub maxes: Vec<f32>,
     /// the node the norms were read from (must be the weighting node's `src[0]`)
     pub norms_from: String,
+    /// the probabilities were not read whole: `sel_prob` (and, with a trace, `cand_*`) came
+    /// from the device (patch 0003)
+    pub on_device: bool,
+    /// `[T][k]` router probability of each selected expert (`on_device`)
+    pub sel_prob: Vec<f32>,
+    /// `ffn_moe_cand-L` as read: `[T][top_n + 1]` ids in ggml's order
+    raw_cand: Vec<u16>,
+    /// `[T][top_n]` the trace's candidates, best first, and their probabilities (`on_device`)
+    pub cand_id: Vec<u16>,
+    pub cand_p: Vec<f32>,
+}
+
+impl LayerRouting {
+    /// The router probability of token `tok`'s `s`-th selected expert.
+    fn sel_p(&self, tok: usize, s: usize, k: usize, n_expert: usize) -> f32 {
+        if self.on_device {
+            self.sel_prob[tok * k + s]
+        } else {
+            self.probs[tok * n_expert + self.sel_id[tok * k + s] as usize]
+        }
+    }
+}
+
+/// Orders a token's `n + 1` most probable experts, as ggml's top-k returned them (in no
+/// particular order), into its top `n` as [`top_candidates`] would choose them from the whole
+/// row: probability descending (`total_cmp`), ties to the lower id. Returns false when the
+/// candidates cannot decide that: the n-th and (n+1)-th are equal (as floats: an equal value may
+/// also sit outside the candidates, ggml's choice), or a probability is not a number (ggml's
+/// comparisons skip it; the host's order does not).
+///
+/// [`top_candidates`]: crate::collect::trace_rows::top_candidates
+pub fn order_candidates(ids: &[u16], p: &[f32], out_id: &mut [u16], out_p: &mut [f32]) -> bool {
+    let n = out_id.len();
+    debug_assert!(ids.len() == n + 1 && p.len() == n + 1 && out_p.len() == n);
+    if p.iter().any(|v| v.is_nan()) {
+        return false;
+    }
+    use crate::collect::trace_rows::{candidate_key, key_prob};
+    KEYS.with_borrow_mut(|keys| {
+        keys.clear();
+        keys.extend(ids.iter().zip(p).map(|(&e, &v)| candidate_key(v, e)));
+        keys.sort_unstable();
+        if key_prob(keys[n - 1]) == key_prob(keys[n]) {
+            return false;
+        }
+        for (j, &k) in keys[..n].iter().enumerate() {
+            out_id[j] = k as u16;
+            out_p[j] = key_prob(k);
+        }
+        true
+    })
+}
+
+thread_local! {
+    /// `order_candidates`' sort keys (no allocation per token and layer)
+    static KEYS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// MoE layers are discovered from the graph (the first `ffn_moe_probs-L` of each block), so any
@@ -121,6 +177,7 @@ impl ReapCollector {
         let n_tokens = t.ne[1] as usize;
         let r = &mut self.routing[slot];
         r.n_tokens = n_tokens;
+        r.on_device = false;
         r.probs.clear();
         for tok in 0..n_tokens {
             let row = t.offset([0, tok as i64, 0, 0]);
@@ -132,6 +189,106 @@ impl ReapCollector {
             }
         }
         Ok(())
+    }
+
+    /// `ffn_moe_probs-L` left on the device (patch 0003): only its shape is taken; the
+    /// selected experts' probabilities and the trace's candidates are read from their nodes.
+    pub fn on_probs_on_device(&mut self, slot: usize, t: &TensorInfo) -> Result<(), String> {
+        let n_expert = self.layers[slot].n_expert;
+        if t.ne[0] as usize != n_expert || t.ty != crate::llama::sys::GGML_TYPE_F32 {
+            return Err(format!("{}: expected f32 [{n_expert}, T], got type {} {:?}", t.name, t.ty, t.ne));
+        }
+        let r = &mut self.routing[slot];
+        r.n_tokens = t.ne[1] as usize;
+        r.on_device = true;
+        r.probs.clear();
+        r.sel_prob.clear();
+        r.raw_cand.clear();
+        r.cand_id.clear();
+        r.cand_p.clear();
+        Ok(())
+    }
+
+    /// `ffn_moe_weights-L` (`on_device`): the probabilities at the selected experts, `[1, k, T]`
+    /// (a GET_ROWS of the probabilities: the same f32 values the host path picks out).
+    pub fn on_sel_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        let k = self.layers[slot].n_expert_used;
+        check_slot_stats(t, k)?;
+        let r = &mut self.routing[slot];
+        r.sel_prob.clear();
+        for tok in 0..t.ne[2] {
+            for s in 0..k as i64 {
+                r.sel_prob.push(read_f32(data, t.offset([0, s, tok, 0])));
+            }
+        }
+        Ok(())
+    }
+
+    /// `ffn_moe_cand-L` (`on_device`): `[top_n + 1, T]` i32 expert ids, in no particular order.
+    pub fn on_cand_ids(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        let n_expert = self.layers[slot].n_expert;
+        if t.ty != crate::llama::sys::GGML_TYPE_I32 || t.ne[0] < 2 {
+            return Err(format!("{}: expected i32 [n, T] with n > 1, got type {} {:?}", t.name, t.ty, t.ne));
+        }
+        let r = &mut self.routing[slot];
+        r.raw_cand.clear();
+        for tok in 0..t.ne[1] {
+            for j in 0..t.ne[0] {
+                let id = t.read_i32(data, j, tok);
+                if id < 0 || id as usize >= n_expert {
+                    return Err(format!("{}: expert id {id} out of range 0..{n_expert}", t.name));
+                }
+                r.raw_cand.push(id as u16);
+            }
+        }
+        Ok(())
+    }
+
+    /// `ffn_moe_cand_p-L` (`on_device`): the probabilities at `ffn_moe_cand`'s ids, `[1, n, T]`.
+    /// Orders each token's candidates as the host path does ([`order_candidates`]); returns the
+    /// tokens for which they do not decide the top n - 1: each needs [`Self::on_cand_row`].
+    pub fn on_cand_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<Vec<usize>, String> {
+        let r = &mut self.routing[slot];
+        let n = t.ne[1] as usize;
+        let n_tokens = t.ne[2] as usize;
+        if t.ne[0] != 1 || t.ty != crate::llama::sys::GGML_TYPE_F32 || n_tokens != r.n_tokens || r.raw_cand.len() != n * n_tokens {
+            return Err(format!(
+                "{}: expected f32 [1, n, {}] after {} candidate ids, got type {} {:?}",
+                t.name,
+                r.n_tokens,
+                r.raw_cand.len(),
+                t.ty,
+                t.ne
+            ));
+        }
+        let top_n = n - 1;
+        r.cand_id.resize(n_tokens * top_n, 0);
+        r.cand_p.resize(n_tokens * top_n, 0.0);
+        let mut p = vec![0f32; n];
+        let mut undecided = Vec::new();
+        for tok in 0..n_tokens {
+            for (j, v) in p.iter_mut().enumerate() {
+                *v = read_f32(data, t.offset([0, j as i64, tok as i64, 0]));
+            }
+            let ids = &r.raw_cand[tok * n..(tok + 1) * n];
+            let out = tok * top_n..(tok + 1) * top_n;
+            if !order_candidates(ids, &p, &mut r.cand_id[out.clone()], &mut r.cand_p[out]) {
+                undecided.push(tok);
+            }
+        }
+        Ok(undecided)
+    }
+
+    /// A token's whole row of router probabilities, where its candidates did not decide: its
+    /// top n as the host path chooses them.
+    pub fn on_cand_row(&mut self, slot: usize, tok: usize, row: &[f32], order: &mut Vec<u16>) {
+        let r = &mut self.routing[slot];
+        let top_n = r.cand_id.len() / r.n_tokens.max(1);
+        crate::collect::trace_rows::top_candidates(row, top_n, order);
+        for (j, &e) in order.iter().enumerate() {
+            r.cand_id[tok * top_n + j] = e;
+            r.cand_p[tok * top_n + j] = row[e as usize];
+        }
     }
 
     /// `ffn_moe_topk-L`: `[k, T]` i32, read through its strides.
@@ -234,12 +391,13 @@ impl ReapCollector {
                 r.norms.len()
             ));
         }
-        if r.sel_id.len() != n_tokens * k || r.probs.len() != n_tokens * self.layers[slot].n_expert {
+        let probs_seen = if r.on_device { r.sel_prob.len() == n_tokens * k } else { r.probs.len() == n_tokens * self.layers[slot].n_expert };
+        if r.sel_id.len() != n_tokens * k || !probs_seen {
             return Err(format!(
                 "ffn_moe_weighted of layer {}: routing of this ubatch was not seen first (topk {} ids, probs {} for {n_tokens} tokens)",
                 self.layers[slot].layer,
                 r.sel_id.len(),
-                r.probs.len()
+                if r.on_device { r.sel_prob.len() } else { r.probs.len() }
             ));
         }
         r.sel_weight.clear();
@@ -259,7 +417,7 @@ impl ReapCollector {
                 let gv = read_f32(g_data, g.offset([0, s as i64, tok as i64, 0]));
                 r.sel_weight.push(gv);
                 gates[s] = gv as f64;
-                let p = r.probs[tok * n_expert + r.sel_id[tok * k + s] as usize];
+                let p = r.sel_p(tok, s, k, n_expert);
                 finite &= gates[s].is_finite() && p.is_finite() && r.norms[tok * k + s].is_finite();
             }
             if !finite {
@@ -270,7 +428,7 @@ impl ReapCollector {
             for s in 0..k {
                 let e = r.sel_id[tok * k + s] as usize;
                 let (gv, n) = (gates[s], r.norms[tok * k + s]);
-                let p = r.probs[tok * n_expert + e] as f64;
+                let p = r.sel_p(tok, s, k, n_expert) as f64;
                 let reap = gv * n;
                 sums.count[e] += 1;
                 sums.prob_sum[e] += gv;
@@ -528,6 +686,123 @@ mod tests {
             assert_eq!(d[0][0].count[e] + d[1][0].count[e], c.layers[0].count[e]);
             assert_eq!(d[0][0].reap_l2_sum[e] + d[1][0].reap_l2_sum[e], c.layers[0].reap_l2_sum[e]);
         }
+    }
+
+    /// What ggml's top-k may return for `row`: the `n` largest values (IEEE order), any of
+    /// equal values at the boundary, in any order (a random pick and a random shuffle).
+    fn device_top_k(row: &[f32], n: usize, rng: &mut crate::fixture::rng::Rng) -> Vec<u16> {
+        let mut idx: Vec<u16> = (0..row.len() as u16).collect();
+        // random order first, then a stable sort by value: ties land in random order
+        let perm = rng.permutation(idx.len());
+        idx.sort_by_key(|&i| perm[i as usize]);
+        idx.sort_by(|&a, &b| row[b as usize].partial_cmp(&row[a as usize]).unwrap());
+        idx.truncate(n);
+        let perm = rng.permutation(n);
+        let mut out = idx.clone();
+        for (j, &p) in perm.iter().enumerate() {
+            out[j] = idx[p as usize];
+        }
+        out
+    }
+
+    /// Against the host's choice from the whole row, on rows with many equal values (a few
+    /// levels, ±0, values far below the rest): where the candidates decide, they give exactly
+    /// the host's top n; where they do not, the n-th and (n+1)-th are equal.
+    #[test]
+    fn ordered_candidates_equal_the_host_choice_or_say_they_cannot() {
+        let mut rng = crate::fixture::rng::Rng::new(11);
+        let (mut decided, mut undecided) = (0, 0);
+        let mut host = Vec::new();
+        for case in 0..4000 {
+            let n_expert = 4 + rng.below(60) as usize;
+            let levels = 1 + rng.below(if case % 2 == 0 { 4 } else { 1000 });
+            let row: Vec<f32> = (0..n_expert)
+                .map(|_| match rng.below(10) {
+                    0 => 0.0,
+                    1 => -0.0,
+                    _ => rng.below(levels) as f32 / levels as f32,
+                })
+                .collect();
+            let n = 1 + rng.below(n_expert as u64 - 2) as usize;
+            let ids = device_top_k(&row, n + 1, &mut rng);
+            let p: Vec<f32> = ids.iter().map(|&i| row[i as usize]).collect();
+            let (mut out_id, mut out_p) = (vec![0u16; n], vec![0f32; n]);
+            crate::collect::trace_rows::top_candidates(&row, n, &mut host);
+            if order_candidates(&ids, &p, &mut out_id, &mut out_p) {
+                decided += 1;
+                assert_eq!(out_id, host, "row {row:?} n {n} candidates {ids:?}");
+                let hp: Vec<f32> = host.iter().map(|&e| row[e as usize]).collect();
+                assert_eq!(out_p.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), hp.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            } else {
+                undecided += 1;
+                let mut sorted = p.clone();
+                sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+                assert_eq!(sorted[n - 1], sorted[n], "undecided without a boundary tie: {row:?} n {n}");
+            }
+        }
+        // both paths were taken many times
+        assert!(decided > 500 && undecided > 500, "decided {decided}, undecided {undecided}");
+    }
+
+    #[test]
+    fn a_candidate_that_is_not_a_number_leaves_the_row_undecided() {
+        let (mut id, mut p) = (vec![0u16; 2], vec![0f32; 2]);
+        assert!(!order_candidates(&[0, 1, 2], &[0.5, f32::NAN, 0.25], &mut id, &mut p));
+        assert!(order_candidates(&[2, 0, 1], &[0.25, 0.5, 0.125], &mut id, &mut p));
+        assert_eq!((id, p), (vec![0, 2], vec![0.5, 0.25]));
+    }
+
+    /// The device path of one layer (probabilities left on the device, the selected experts'
+    /// probabilities and top-(n+1) candidates read instead) gives the host path's sums and
+    /// candidates, a tied row completed from its whole row.
+    #[test]
+    fn router_read_on_the_device_gives_the_host_paths_sums_and_candidates() {
+        // 3 tokens, 6 experts, top-2; token 2 ties at the top-3 boundary (0.1 twice)
+        let probs = [0.05f32, 0.4, 0.3, 0.12, 0.1, 0.03, 0.2, 0.2, 0.1, 0.3, 0.15, 0.05, 0.1, 0.35, 0.1, 0.1, 0.25, 0.1];
+        let pi = info("ffn_moe_probs-0", [6, 3, 1, 1], [4, 24, 72, 72], sys::GGML_TYPE_F32);
+        let ids: Vec<u8> = [1i32, 2, 0, 1, 1, 4].iter().flat_map(|x| x.to_ne_bytes()).collect();
+        let ti = info("ffn_moe_topk-0", [2, 3, 1, 1], [4, 8, 24, 24], sys::GGML_TYPE_I32);
+        let f: Vec<f32> = (0..12).map(|i| (i as f32 - 5.0) * 0.5).collect();
+        let fi = info("f", [2, 2, 3, 1], [4, 8, 16, 48], sys::GGML_TYPE_F32);
+        let g = [0.6f32, 0.4, 0.5, 0.5, 0.7, 0.3];
+        let gi = info("g", [1, 2, 3, 1], [4, 4, 8, 24], sys::GGML_TYPE_F32);
+
+        let mut host = ReapCollector::new();
+        host.slot_for(0, 6, 0).unwrap();
+        host.on_probs(0, &pi, &bytes_f32(&probs)).unwrap();
+        host.on_topk(0, &ti, &ids).unwrap();
+        host.on_expert_out(0, &fi, &bytes_f32(&f)).unwrap();
+        host.on_weighted(0, "f", &gi, &bytes_f32(&g)).unwrap();
+
+        let mut dev = ReapCollector::new();
+        dev.slot_for(0, 6, 0).unwrap();
+        dev.on_probs_on_device(0, &pi).unwrap();
+        // top-(3+1) per token, unordered, as ggml may return them (token 2 picked expert 5 of
+        // the three 0.1s, so the top 3 is undecided)
+        let cand = [3u16, 1, 4, 2, 4, 3, 0, 1, 5, 1, 4, 0];
+        let cand_b: Vec<u8> = cand.iter().flat_map(|&x| (x as i32).to_ne_bytes()).collect();
+        dev.on_cand_ids(0, &info("ffn_moe_cand-0", [4, 3, 1, 1], [4, 16, 48, 48], sys::GGML_TYPE_I32), &cand_b).unwrap();
+        let cp: Vec<f32> = cand.iter().enumerate().map(|(j, &e)| probs[(j / 4) * 6 + e as usize]).collect();
+        let undecided = dev.on_cand_probs(0, &info("ffn_moe_cand_p-0", [1, 4, 3, 1], [4, 4, 16, 48], sys::GGML_TYPE_F32), &bytes_f32(&cp)).unwrap();
+        assert_eq!(undecided, [2]);
+        let mut order = Vec::new();
+        dev.on_cand_row(0, 2, &probs[12..18], &mut order);
+        dev.on_topk(0, &ti, &ids).unwrap();
+        let sel: Vec<f32> = [1usize, 2, 0, 1, 1, 4].iter().enumerate().map(|(j, &e)| probs[(j / 2) * 6 + e]).collect();
+        dev.on_sel_probs(0, &info("ffn_moe_weights-0", [1, 2, 3, 1], [4, 4, 8, 24], sys::GGML_TYPE_F32), &bytes_f32(&sel)).unwrap();
+        dev.on_expert_out(0, &fi, &bytes_f32(&f)).unwrap();
+        dev.on_weighted(0, "f", &gi, &bytes_f32(&g)).unwrap();
+
+        assert_eq!(dev.layers[0], host.layers[0]);
+        let r = &dev.routing[0];
+        for tok in 0..3 {
+            crate::collect::trace_rows::top_candidates(&probs[tok * 6..(tok + 1) * 6], 3, &mut order);
+            assert_eq!(r.cand_id[tok * 3..(tok + 1) * 3], order[..], "token {tok}");
+            let p: Vec<f32> = order.iter().map(|&e| probs[tok * 6 + e as usize]).collect();
+            assert_eq!(r.cand_p[tok * 3..(tok + 1) * 3], p[..]);
+        }
+        // token 2's top 3: 0.35 (expert 1), 0.25 (4), then the lowest id of the 0.1s (0)
+        assert_eq!(r.cand_id[6..9], [1, 4, 0]);
     }
 
     #[test]

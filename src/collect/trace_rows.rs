@@ -98,6 +98,22 @@ impl TraceRows {
         self.rows >= self.limit
     }
 
+    /// Why `routing` cannot give this trace's rows, if it cannot: a layer read on the device
+    /// without `top_n` candidates per token.
+    pub fn check_routing(&self, routing: &[LayerRouting]) -> Result<(), String> {
+        for lr in routing.iter().filter(|lr| lr.on_device) {
+            if lr.cand_id.len() != lr.n_tokens * self.top_n {
+                return Err(format!(
+                    "trace: {} router candidates read on the device for {} tokens, expected {} per token (REAP_ROUTER=host reads the whole probabilities)",
+                    lr.cand_id.len(),
+                    lr.n_tokens,
+                    self.top_n
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Encodes the rows of one finished ubatch. `sources[r]` says which token row r is.
     pub fn add_ubatch(&mut self, layout: &RowLayout, routing: &[LayerRouting], sources: &[(u32, u32, i32)]) {
         let n_layers = routing.len();
@@ -112,6 +128,12 @@ impl TraceRows {
             for (li, lr) in routing.iter().enumerate() {
                 sel_w[li * k..(li + 1) * k].copy_from_slice(&lr.sel_weight[r * k..(r + 1) * k]);
                 sel_id[li * k..(li + 1) * k].copy_from_slice(&lr.sel_id[r * k..(r + 1) * k]);
+                if lr.on_device {
+                    // ordered from the device's candidates (patch 0003)
+                    cand_id[li * n..(li + 1) * n].copy_from_slice(&lr.cand_id[r * n..(r + 1) * n]);
+                    cand_p[li * n..(li + 1) * n].copy_from_slice(&lr.cand_p[r * n..(r + 1) * n]);
+                    continue;
+                }
                 let n_expert = lr.probs.len() / lr.n_tokens.max(1);
                 let probs = &lr.probs[r * n_expert..(r + 1) * n_expert];
                 top_candidates(probs, n, &mut self.order);
@@ -130,16 +152,41 @@ impl TraceRows {
     }
 }
 
-/// The `n` most probable experts, best first; ties go to the lower id.
+/// The `n` most probable experts, best first; ties go to the lower id (probabilities in
+/// `f32::total_cmp` order).
 pub fn top_candidates(probs: &[f32], n: usize, out: &mut Vec<u16>) {
-    out.clear();
-    out.extend(0..probs.len() as u16);
-    let cmp = |a: &u16, b: &u16| probs[*b as usize].total_cmp(&probs[*a as usize]).then(a.cmp(b));
-    if n < out.len() {
-        out.select_nth_unstable_by(n, cmp);
-        out.truncate(n);
-    }
-    out.sort_unstable_by(cmp);
+    KEYS.with_borrow_mut(|keys| {
+        keys.clear();
+        keys.extend(probs.iter().enumerate().map(|(e, &p)| candidate_key(p, e as u16)));
+        if n < keys.len() {
+            keys.select_nth_unstable(n);
+            keys.truncate(n);
+        }
+        keys.sort_unstable();
+        out.clear();
+        out.extend(keys.iter().map(|&k| k as u16));
+    });
+}
+
+thread_local! {
+    /// sort keys of the row being ordered (no allocation per token and layer)
+    static KEYS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A key whose ascending order is the candidates' order: probability descending in
+/// `f32::total_cmp` order, then id ascending (sorting plain integers is several times faster
+/// than sorting ids through a comparison of their probabilities).
+pub fn candidate_key(p: f32, id: u16) -> u64 {
+    let b = p.to_bits();
+    // the bits in ascending total order: negatives reversed, below the positives
+    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    ((!ascending as u64) << 16) | id as u64
+}
+
+/// The probability a [`candidate_key`] was made from, bit for bit.
+pub fn key_prob(key: u64) -> f32 {
+    let ascending = !((key >> 16) as u32);
+    f32::from_bits(if ascending >> 31 == 1 { ascending & 0x7fff_ffff } else { !ascending })
 }
 
 #[cfg(test)]
@@ -171,6 +218,28 @@ mod tests {
         let l = BatchLayout { seqs: vec![span(4), span(4), span(4)], n_ubatch: 128 };
         assert_eq!(l.ubatches().len(), 1);
         assert_eq!(l.ubatches()[0].len(), 12);
+    }
+
+    /// The keys order as the plain comparison does: `total_cmp` descending, then id; on
+    /// values with ties, ±0, infinities, NaNs of both signs and subnormals.
+    #[test]
+    fn candidate_keys_order_as_total_cmp_then_id() {
+        let vals = [0.5f32, -0.0, 0.0, 1e-40, -1e-40, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, 0.25, 0.5, -3.0, 1.0];
+        let mut rng = crate::fixture::rng::Rng::new(3);
+        let mut out = Vec::new();
+        for _ in 0..200 {
+            let row: Vec<f32> = (0..40).map(|_| vals[rng.below(vals.len() as u64) as usize]).collect();
+            let mut want: Vec<u16> = (0..row.len() as u16).collect();
+            want.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+            for n in [1, 7, 39, 40, 50] {
+                top_candidates(&row, n, &mut out);
+                assert_eq!(out, want[..n.min(40)], "row {row:?} n {n}");
+            }
+            for (e, &p) in row.iter().enumerate() {
+                let k = candidate_key(p, e as u16);
+                assert_eq!((key_prob(k).to_bits(), k as u16), (p.to_bits(), e as u16));
+            }
+        }
     }
 
     #[test]

@@ -138,10 +138,15 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
     crate::llama::expert_stats::set(device_stats);
     let defer = crate::llama::expert_stats::keep_wanted(device_stats, true);
     crate::llama::expert_stats::set_keep(defer);
+    let router_on_device = device_stats && crate::llama::expert_stats::router_wanted(defer);
+    let router_candidates = if router_on_device { crate::llama::expert_stats::router_candidates(Some(args.trace_top_n), model.n_expert()) } else { 0 };
+    crate::llama::expert_stats::set_router_candidates(router_candidates);
     let mut observer = CalibrationObserver::new(imatrix, reap);
     observer.collect_imatrix = false;
     observer.expert_stats_on_device = device_stats;
     observer.defer = defer;
+    observer.router_on_device = router_on_device;
+    observer.router_candidates = router_candidates;
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
     let sampling = if args.temp > 0.0 { Sampling::Temperature { temp: args.temp, seed: args.seed } } else { Sampling::Greedy };
     let mut sampler = Sampler::new(sampling);
@@ -286,6 +291,10 @@ fn report(ctx: &Context<'_, CalibrationObserver>, t: &Timing, args: &TraceDecode
         ms(t.decode, t.decode_tokens),
         ctx.observer().busy.as_secs_f64()
     );
+    let copied = crate::llama::tensor::DEVICE_TO_HOST_BYTES.load(std::sync::atomic::Ordering::Relaxed);
+    if copied > 0 {
+        eprintln!("trace-decode: {:.1} MiB copied from device buffers; router {}", copied as f64 / (1u64 << 20) as f64, ctx.observer().router_summary());
+    }
     if let (Some(p), Some(r)) = (&args.trace_out, ctx.observer().reap.as_ref()) {
         if r.sums.layers.is_empty() {
             eprintln!("notice: {} has no MoE layers: no trace written", args.model.display());

@@ -52,3 +52,45 @@ pub fn set_keep(on: bool) {
     // SAFETY: stores a flag the graph builder reads.
     unsafe { sys::llama_reap_set_keep_collected(on) };
 }
+
+/// Whether a layer's router is read through patch 0003's nodes when its probabilities are
+/// off-host: with the reads deferred to the end of the graph (`keep`, [`keep_wanted`]), which
+/// keeps the probabilities for the rows the candidates do not decide. `REAP_ROUTER=host` reads
+/// the whole probabilities (tests, debugging).
+pub fn router_wanted(keep: bool) -> bool {
+    keep && std::env::var("REAP_ROUTER").map_or(true, |v| v != "host")
+}
+
+/// The candidates per token patch 0003 should compute for a trace of `top_n` (None: no trace)
+/// of a model with `n_expert` experts: top-n + 1 (the extra one tells a tie at the boundary),
+/// where that copies no more than the whole probabilities (8 bytes a candidate, its id and
+/// value, against 4 an expert); else 0 and the probabilities are read whole.
+pub fn router_candidates(top_n: Option<usize>, n_expert: Option<usize>) -> usize {
+    match (top_n, n_expert) {
+        (Some(n), Some(e)) if n > 0 && 2 * (n + 1) <= e => n + 1,
+        _ => 0,
+    }
+}
+
+/// Sets patch 0003's candidate count for graphs built from now on (process-wide; 0: none).
+pub fn set_router_candidates(n: usize) {
+    // SAFETY: stores a count the graph builder reads.
+    unsafe { sys::llama_reap_set_router_candidates(n.min(i32::MAX as usize) as i32) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_only_where_they_copy_no_more_than_the_probabilities() {
+        // 64 of 512 experts: 65 candidates
+        assert_eq!(router_candidates(Some(64), Some(512)), 65);
+        // 64 of 128: 65 × 8 bytes > 128 × 4, the probabilities are read whole
+        assert_eq!(router_candidates(Some(64), Some(128)), 0);
+        assert_eq!(router_candidates(Some(7), Some(16)), 8);
+        assert_eq!(router_candidates(Some(8), Some(16)), 0);
+        assert_eq!(router_candidates(None, Some(512)), 0);
+        assert_eq!(router_candidates(Some(8), None), 0);
+    }
+}

@@ -98,6 +98,12 @@ impl Model {
         String::from_utf8(buf).ok()
     }
 
+    /// Experts per MoE layer (`<arch>.expert_count`), if the model says.
+    pub fn n_expert(&self) -> Option<usize> {
+        let arch = self.meta_str("general.architecture")?;
+        self.meta_str(&format!("{arch}.expert_count"))?.parse().ok()
+    }
+
     /// The chat template stored in the GGUF (`tokenizer.chat_template`), if any.
     pub fn chat_template(&self) -> Option<String> {
         // SAFETY: returns a pointer into the model's metadata (lives as long as the model) or null.

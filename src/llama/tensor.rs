@@ -131,6 +131,26 @@ impl<'a> Node<'a> {
     }
 }
 
+impl<'a> Node<'a> {
+    /// `len` bytes of the tensor's data from byte `offset`: in place on the host, else copied.
+    pub fn bytes_at<'s>(&self, offset: usize, len: usize, scratch: &'s mut Vec<u8>) -> &'s [u8]
+    where
+        'a: 's,
+    {
+        assert!(offset + len <= self.info().nbytes(), "{}: bytes {offset}..{} past its end", self.name(), offset + len);
+        let t = self.t();
+        if self.is_host() && !t.data.is_null() {
+            // SAFETY: inside the host data of a live tensor (checked above).
+            return unsafe { std::slice::from_raw_parts((t.data as *const u8).add(offset), len) };
+        }
+        scratch.resize(len, 0);
+        DEVICE_TO_HOST_BYTES.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: copying a range inside a live tensor into a buffer of that size.
+        unsafe { sys::ggml_backend_tensor_get(self.raw, scratch.as_mut_ptr().cast(), offset, len) };
+        &scratch[..]
+    }
+}
+
 /// Bytes copied from device buffers by [`Node::bytes`] in this process (0 on a host-only run):
 /// what observing an offloaded graph costs in transfers.
 pub static DEVICE_TO_HOST_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -270,30 +270,55 @@ fn trace_decode_offloads_through_rpc() {
     }
 }
 
+/// `trace-decode` of `model` over a local RPC server with `env` set: the trace, the
+/// generations, and the line saying what was copied from device buffers.
+fn decode_offloaded(server: &RpcServer, model: &Path, dir: &Path, env: (&str, &str), extra: &[&str]) -> (PathBuf, Vec<Value>, String) {
+    let prompts = prompts_file(dir);
+    let t = dir.join(format!("t-{}-{}.bin", env.0, env.1));
+    let out = run_ok(
+        Command::new(ours())
+            .env(env.0, env.1)
+            .args(["trace-decode", "-m"])
+            .arg(model)
+            .arg("-f")
+            .arg(&prompts)
+            .arg("--trace-out")
+            .arg(&t)
+            .args(extra)
+            .args(["-t", "1", "-n", "6", "-ngl", "99", "--rpc", &server.endpoint]),
+    );
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let line = err.lines().find(|l| l.contains("copied from device buffers")).unwrap_or_else(|| panic!("no copy line:\n{err}")).to_string();
+    (t, generations(&out.stdout), line)
+}
+
 /// Offloaded, the routing each decode step reads is kept to the end of its graph and read
 /// there (patch 0002): the same trace as reading node by node (`REAP_DEFER=0`).
 #[test]
 fn offloaded_decode_traces_the_same_with_reads_at_the_end_of_the_graph() {
     let server = RpcServer::start();
-    let model = fixture("qwen3moe");
-    let dir = temp_dir("decode-deferred");
-    let prompts = prompts_file(&dir);
-    let go = |defer: &str| {
-        let t = dir.join(format!("t{defer}.bin"));
-        let out = run_ok(
-            Command::new(ours())
-                .env("REAP_DEFER", defer)
-                .args(["trace-decode", "-m"])
-                .arg(&model)
-                .arg("-f")
-                .arg(&prompts)
-                .arg("--trace-out")
-                .arg(&t)
-                .args(["-t", "1", "-n", "6", "-ngl", "99", "--rpc", &server.endpoint]),
-        );
-        (t, generations(&out.stdout))
-    };
-    let ((a, ga), (b, gb)) = (go("1"), go("0"));
+    let (model, dir) = (fixture("qwen3moe"), temp_dir("decode-deferred"));
+    let (a, ga, _) = decode_offloaded(&server, &model, &dir, ("REAP_DEFER", "1"), &[]);
+    let (b, gb, _) = decode_offloaded(&server, &model, &dir, ("REAP_DEFER", "0"), &[]);
+    assert_eq!(ga, gb);
+    assert_same_bytes(&a, &b);
+}
+
+/// Patch 0003 in `trace-decode`: each generated token is a ubatch of one row, so a row tied at
+/// the top-n boundary (`--tied-dead`) is read alone; the trace is that of reading the whole
+/// probabilities (`REAP_ROUTER=host`).
+#[test]
+fn offloaded_decode_traces_the_same_with_the_router_read_on_the_device() {
+    let server = RpcServer::start();
+    let (model, dir) = (super::reap::candidates_fixture(true), temp_dir("decode-router"));
+    let top = ["--trace-top-n", "25"];
+    let (a, ga, la) = decode_offloaded(&server, &model, &dir, ("REAP_ROUTER", "device"), &top);
+    let (b, gb, lb) = decode_offloaded(&server, &model, &dir, ("REAP_ROUTER", "host"), &top);
+    assert!(lb.contains("router probabilities read whole"), "{lb}");
+    // every row is tied at the boundary: prompts and generated tokens alike, a generated
+    // token's row read alone
+    let tied: u64 = la.split(" rows read whole at ties").next().and_then(|s| s.rsplit(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("{la}"));
+    assert!(la.contains("25 candidates per token read on the device") && tied > 0, "{la}");
     assert_eq!(ga, gb);
     assert_same_bytes(&a, &b);
 }

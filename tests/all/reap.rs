@@ -390,3 +390,59 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
         }
     }
 }
+
+/// A fixture of 64 experts, 40 of them dead (so a top-25 reaches them), for patch 0003's tests;
+/// `--tied-dead`: the dead experts' probabilities are exactly equal.
+pub fn candidates_fixture(tied: bool) -> std::path::PathBuf {
+    let args = ["--experts", "64", "--experts-used", "4", "--dead", "40", "--tied-dead"];
+    if tied {
+        fixture_with("candidates-tied", &args)
+    } else {
+        fixture_with("candidates", &args[..6])
+    }
+}
+
+/// Patch 0003: offloaded, a layer's router is read through the selected experts' probabilities
+/// and the top-(n+1) candidates computed on the device instead of the whole `[n_expert, T]`
+/// probabilities. The imatrix, checkpoint, REAP JSON and trace are the bytes of reading the
+/// whole probabilities (`REAP_ROUTER=host`): where the dead experts' probabilities differ (no
+/// row tied at the boundary, fewer bytes copied) and where they are exactly equal
+/// (`--tied-dead`: every row tied, completed from the kept probabilities).
+#[test]
+fn router_on_device_gives_the_files_of_the_whole_probabilities() {
+    let server = RpcServer::start();
+    for tied in [false, true] {
+        let model = candidates_fixture(tied);
+        let go = |router: &str| {
+            let d = temp_dir(&format!("router-{router}-{tied}"));
+            let out = run_ok(
+                Command::new(ours())
+                    .current_dir(&d)
+                    .env("REAP_ROUTER", router)
+                    .arg("-m")
+                    .arg(&model)
+                    .arg("-f")
+                    .arg(corpus())
+                    .args(["-t", "2", "--no-ppl", "-o", "i.gguf", "--trace-out", "t.bin", "--trace-top-n", "25"])
+                    .args(["-c", "128", "-b", "128", "-ub", "64", "--chunks", "4", "--save-frequency", "2", "-ngl", "99", "--rpc", &server.endpoint]),
+            );
+            let err = String::from_utf8_lossy(&out.stderr).into_owned();
+            let line = err.lines().find(|l| l.contains("copied from device buffers")).unwrap_or_else(|| panic!("no copy line:\n{err}")).to_string();
+            let per_token: u64 = line.split(" bytes per token").next().and_then(|s| s.rsplit('(').next()?.parse().ok()).unwrap();
+            (d, line, per_token)
+        };
+        let ((dev, dev_line, dev_bytes), (host, host_line, host_bytes)) = (go("device"), go("host"));
+        assert!(host_line.contains("router probabilities read whole"), "{host_line}");
+        // 4 chunks of 128 tokens, 4 MoE layers: every row tied, or none
+        let rows = if tied { 4 * 128 * 4 } else { 0 };
+        assert!(dev_line.contains(&format!("25 candidates per token read on the device, {rows} rows read whole at ties")), "{dev_line}");
+        if !tied {
+            assert!(dev_bytes < host_bytes, "{dev_bytes} bytes per token on the device path, {host_bytes} reading the probabilities whole");
+        }
+        for f in ["i.gguf", "i.gguf.at_2", "i.reap.json", "t.bin"] {
+            assert_same_bytes(&dev.join(f), &host.join(f));
+        }
+        let trace = TraceReader::open(&dev.join("t.bin")).unwrap();
+        assert_eq!((trace.header.top_n, trace.header.n_tokens), (25, 512));
+    }
+}

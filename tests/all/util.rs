@@ -58,16 +58,21 @@ pub fn run_ok(cmd: &mut Command) -> Output {
 
 /// A generated fixture model, built once per test run and shared.
 pub fn fixture(arch: &str) -> PathBuf {
+    fixture_with(arch, &["--arch", arch])
+}
+
+/// A fixture made with `reap-imatrix fixture ARGS`, once per test process under `key`.
+pub fn fixture_with(key: &str, args: &[&str]) -> PathBuf {
     static MADE: OnceLock<Mutex<Vec<(String, PathBuf)>>> = OnceLock::new();
     let made = MADE.get_or_init(|| Mutex::new(Vec::new()));
     let mut made = made.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, p)) = made.iter().find(|(a, _)| a == arch) {
+    if let Some((_, p)) = made.iter().find(|(a, _)| a == key) {
         return p.clone();
     }
-    let dir = temp_dir(&format!("fixture-{arch}"));
-    let path = dir.join(format!("{arch}.gguf"));
-    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "-o"]).arg(&path));
-    made.push((arch.to_string(), path.clone()));
+    let dir = temp_dir(&format!("fixture-{key}"));
+    let path = dir.join(format!("{key}.gguf"));
+    run_ok(Command::new(ours()).arg("fixture").args(args).arg("-o").arg(&path));
+    made.push((key.to_string(), path.clone()));
     path
 }
 

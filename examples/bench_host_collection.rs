@@ -1,0 +1,157 @@
+//! Benchmark (not a test): the host work of REAP + trace collection per ubatch, without a
+//! model, on the shapes of a large MoE (defaults: 48 layers, 512 experts top-10, -ub 512,
+//! --trace-top-n 64). On a GPU this work runs inside the eval callback while the device
+//! waits, so it bounds how close a full collection can get to a plain forward pass.
+//!
+//!     cargo run --release --example bench_host_collection -- [LAYERS EXPERTS K TOKENS TOP_N RUNS]
+//!
+//! Two paths, the same collectors the observer drives:
+//! - whole: the router probabilities `[n_expert, T]` read whole (the host path, and offloaded
+//!   without patch 0003): the trace's top-n chosen among all of them on the host;
+//! - device: patch 0003's selected probabilities and top-(n+1) candidates (as ggml's CPU top-k
+//!   leaves them: nearly sorted), ordered on the host.
+//!
+//! Both get patch 0001's per-slot norms and maxima (offloaded). Prints medians per ubatch and
+//! per token-layer, and the bytes each path reads per token.
+
+use reap_imatrix::collect::reap::ReapCollector;
+use reap_imatrix::collect::trace_rows::{top_candidates, TraceRows};
+use reap_imatrix::fixture::rng::Rng;
+use reap_imatrix::formats::trace::TraceHeader;
+use reap_imatrix::llama::{sys, TensorInfo};
+use std::time::Instant;
+
+struct Layer {
+    probs: Vec<u8>,
+    topk: Vec<u8>,
+    sel_p: Vec<u8>,
+    g: Vec<u8>,
+    norms: Vec<u8>,
+    maxes: Vec<u8>,
+    cand: Vec<u8>,
+    cand_p: Vec<u8>,
+}
+
+fn bytes_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn bytes_i32(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn layer(rng: &mut Rng, e: usize, k: usize, t: usize, n: usize) -> Layer {
+    let mut probs = Vec::with_capacity(e * t);
+    let (mut topk, mut sel_p, mut g, mut norms, mut maxes, mut cand, mut cand_p) = Default::default();
+    let bias: Vec<f64> = (0..e).map(|_| rng.normal() * 2.0).collect();
+    let mut order = Vec::new();
+    for _ in 0..t {
+        let logits: Vec<f64> = bias.iter().map(|b| b + rng.normal()).collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let s: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+        let row: Vec<f32> = logits.iter().map(|l| ((l - m).exp() / s) as f32).collect();
+        top_candidates(&row, n + 1, &mut order);
+        let sel: Vec<u16> = order[..k].to_vec();
+        let sum: f32 = sel.iter().map(|&i| row[i as usize]).sum();
+        for &i in &sel {
+            Vec::push(&mut topk, i as i32);
+            Vec::push(&mut sel_p, row[i as usize]);
+            Vec::push(&mut g, row[i as usize] / sum);
+            Vec::push(&mut norms, 1.0 + rng.uniform() as f32);
+            Vec::push(&mut maxes, rng.uniform() as f32);
+        }
+        // ggml's CPU top-k: partially sorted, its first two swapped
+        let mut c: Vec<u16> = order.clone();
+        c.swap(0, 1);
+        for &i in &c {
+            Vec::push(&mut cand, i as i32);
+            Vec::push(&mut cand_p, row[i as usize]);
+        }
+        probs.extend_from_slice(&row);
+    }
+    Layer {
+        probs: bytes_f32(&probs),
+        topk: bytes_i32(&topk),
+        sel_p: bytes_f32(&sel_p),
+        g: bytes_f32(&g),
+        norms: bytes_f32(&norms),
+        maxes: bytes_f32(&maxes),
+        cand: bytes_i32(&cand),
+        cand_p: bytes_f32(&cand_p),
+    }
+}
+
+fn info(name: &str, ne: [i64; 4], ty: sys::ggml_type) -> TensorInfo<'_> {
+    let nb0 = 4usize;
+    let nb = [nb0, nb0 * ne[0] as usize, nb0 * (ne[0] * ne[1]) as usize, nb0 * (ne[0] * ne[1] * ne[2]) as usize];
+    TensorInfo { name, op: 0, ty, ne, nb }
+}
+
+fn ubatch(c: &mut ReapCollector, trace: &mut TraceRows, layers: &[Layer], e: usize, k: usize, t: usize, n: usize, device: bool) {
+    let (ei, ki, ti, ni) = (e as i64, k as i64, t as i64, n as i64);
+    let f32t = sys::GGML_TYPE_F32;
+    for (l, d) in layers.iter().enumerate() {
+        let s = c.slot_for(l, e, k).unwrap();
+        let p = info("ffn_moe_probs", [ei, ti, 1, 1], f32t);
+        if device {
+            c.on_probs_on_device(s, &p).unwrap();
+            c.on_cand_ids(s, &info("ffn_moe_cand", [ni + 1, ti, 1, 1], sys::GGML_TYPE_I32), &d.cand).unwrap();
+            let undecided = c.on_cand_probs(s, &info("ffn_moe_cand_p", [1, ni + 1, ti, 1], f32t), &d.cand_p).unwrap();
+            assert!(undecided.is_empty());
+        } else {
+            c.on_probs(s, &p, &d.probs).unwrap();
+        }
+        c.on_topk(s, &info("ffn_moe_topk", [ki, ti, 1, 1], sys::GGML_TYPE_I32), &d.topk).unwrap();
+        if device {
+            c.on_sel_probs(s, &info("ffn_moe_weights", [1, ki, ti, 1], f32t), &d.sel_p).unwrap();
+        }
+        c.on_expert_norms(s, &info("n", [1, ki, ti, 1], f32t), &d.norms, "f").unwrap();
+        c.on_expert_maxes(s, &info("m", [1, ki, ti, 1], f32t), &d.maxes).unwrap();
+        c.on_weighted(s, "f", &info("g", [1, ki, ti, 1], f32t), &d.g).unwrap();
+    }
+    let header = TraceHeader { layers: (0..layers.len() as u32).collect(), n_expert: e as u32, k: k as u32, top_n: n as u32, n_tokens: 0, flags: 0 };
+    let sources: Vec<(u32, u32, i32)> = (0..t as u32).map(|i| (0, i, i as i32)).collect();
+    trace.add_ubatch(&header.layout(), &c.routing, &sources);
+    trace.buf.clear();
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let a: Vec<usize> = std::env::args().skip(1).map(|s| s.parse().expect("numbers: LAYERS EXPERTS K TOKENS TOP_N RUNS")).collect();
+    let get = |i: usize, d: usize| a.get(i).copied().unwrap_or(d);
+    let (n_layer, e, k, t, n, runs) = (get(0, 48), get(1, 512), get(2, 10), get(3, 512), get(4, 64), get(5, 5));
+    assert!(n + 1 < e && k <= n, "need TOP_N + 1 < EXPERTS and K <= TOP_N");
+    let mut rng = Rng::new(7);
+    let layers: Vec<Layer> = (0..n_layer).map(|_| layer(&mut rng, e, k, t, n)).collect();
+    println!("host collection per ubatch: {n_layer} layers, {e} experts top-{k}, {t} tokens, trace top-{n}; medians of {runs}");
+    let mut results = Vec::new();
+    for device in [false, true] {
+        let mut c = ReapCollector::new();
+        let mut trace = TraceRows::new(n, u64::MAX);
+        ubatch(&mut c, &mut trace, &layers, e, k, t, n, device); // warm-up
+        let times: Vec<f64> = (0..runs)
+            .map(|_| {
+                let t0 = Instant::now();
+                ubatch(&mut c, &mut trace, &layers, e, k, t, n, device);
+                t0.elapsed().as_secs_f64()
+            })
+            .collect();
+        let m = median(times);
+        // bytes read per token: per layer the ids, gates, norms and maxima (4 × k × 4), and
+        // the probabilities whole (4 × e) or the selected ones and the candidates (4k + 8(n+1))
+        let per_layer = 16 * k + if device { 4 * k + 8 * (n + 1) } else { 4 * e };
+        println!(
+            "  {:<6} {:8.2} ms per ubatch, {:6.3} us per token-layer, {} bytes read per token",
+            if device { "device" } else { "whole" },
+            m * 1e3,
+            m * 1e6 / (t * n_layer) as f64,
+            per_layer * n_layer
+        );
+        results.push(m);
+    }
+    println!("  device / whole: {:.3}", results[1] / results[0]);
+}
