@@ -11,8 +11,10 @@
 //! - device: patch 0003's selected probabilities and top-(n+1) candidates (as ggml's CPU top-k
 //!   leaves them: nearly sorted), ordered on the host.
 //!
-//! Both get patch 0001's per-slot norms and maxima (offloaded). Prints medians per ubatch and
-//! per token-layer, and the bytes each path reads per token.
+//! Both get patch 0001's per-slot norms and maxima (offloaded); the device path is also timed
+//! without a trace (REAP sums alone). Prints medians per ubatch of the callback's part (the
+//! collectors; the trace's rows are moved out, not encoded) and of the writer thread's part
+//! (candidates ordered, rows encoded), and the bytes each path reads per token.
 
 use reap_imatrix::collect::reap::ReapCollector;
 use reap_imatrix::collect::trace_rows::{top_candidates, TraceRows};
@@ -93,13 +95,15 @@ fn ubatch(c: &mut ReapCollector, trace: &mut TraceRows, layers: &[Layer], e: usi
     for (l, d) in layers.iter().enumerate() {
         let s = c.slot_for(l, e, k).unwrap();
         let p = info("ffn_moe_probs", [ei, ti, 1, 1], f32t);
-        if device {
-            c.on_probs_on_device(s, &p).unwrap();
-            c.on_cand_ids(s, &info("ffn_moe_cand", [ni + 1, ti, 1, 1], sys::GGML_TYPE_I32), &d.cand).unwrap();
-            let undecided = c.on_cand_probs(s, &info("ffn_moe_cand_p", [1, ni + 1, ti, 1], f32t), &d.cand_p).unwrap();
-            assert!(undecided.is_empty());
-        } else {
+        if !device {
             c.on_probs(s, &p, &d.probs).unwrap();
+        } else {
+            c.on_probs_on_device(s, &p).unwrap();
+            if trace.limit > 0 {
+                c.on_cand_ids(s, &info("ffn_moe_cand", [ni + 1, ti, 1, 1], sys::GGML_TYPE_I32), &d.cand).unwrap();
+                let undecided = c.on_cand_probs(s, &info("ffn_moe_cand_p", [1, ni + 1, ti, 1], f32t), &d.cand_p).unwrap();
+                assert!(undecided.is_empty());
+            }
         }
         c.on_topk(s, &info("ffn_moe_topk", [ki, ti, 1, 1], sys::GGML_TYPE_I32), &d.topk).unwrap();
         if device {
@@ -109,10 +113,22 @@ fn ubatch(c: &mut ReapCollector, trace: &mut TraceRows, layers: &[Layer], e: usi
         c.on_expert_maxes(s, &info("m", [1, ki, ti, 1], f32t), &d.maxes).unwrap();
         c.on_weighted(s, "f", &info("g", [1, ki, ti, 1], f32t), &d.g).unwrap();
     }
+    if trace.limit == 0 {
+        return; // REAP sums only
+    }
     let header = TraceHeader { layers: (0..layers.len() as u32).collect(), n_expert: e as u32, k: k as u32, top_n: n as u32, n_tokens: 0, flags: 0 };
     let sources: Vec<(u32, u32, i32)> = (0..t as u32).map(|i| (0, i, i as i32)).collect();
-    trace.add_ubatch(&header.layout(), &c.routing, &sources);
-    trace.buf.clear();
+    trace.add_ubatch(&header.layout(), &mut c.routing, &sources);
+}
+
+/// The writer thread's part: the ubatch's rows ordered and encoded, its routing set recycled.
+fn encode(trace: &mut TraceRows, buf: &mut Vec<u8>) {
+    buf.clear();
+    for u in std::mem::take(&mut trace.pending) {
+        u.encode(buf).unwrap();
+        trace.spare.push(u.into_spare());
+    }
+    trace.rows = 0;
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -129,29 +145,42 @@ fn main() {
     let layers: Vec<Layer> = (0..n_layer).map(|_| layer(&mut rng, e, k, t, n)).collect();
     println!("host collection per ubatch: {n_layer} layers, {e} experts top-{k}, {t} tokens, trace top-{n}; medians of {runs}");
     let mut results = Vec::new();
-    for device in [false, true] {
+    let mut buf = Vec::new();
+    for (device, with_trace) in [(false, true), (true, true), (true, false)] {
         let mut c = ReapCollector::new();
-        let mut trace = TraceRows::new(n, u64::MAX);
-        ubatch(&mut c, &mut trace, &layers, e, k, t, n, device); // warm-up
-        let times: Vec<f64> = (0..runs)
+        let mut trace = TraceRows::new(n, if with_trace { u64::MAX } else { 0 });
+        // warm-up, then runs: (in the callback, on the writer thread)
+        let times: Vec<(f64, f64)> = (0..=runs)
             .map(|_| {
                 let t0 = Instant::now();
                 ubatch(&mut c, &mut trace, &layers, e, k, t, n, device);
-                t0.elapsed().as_secs_f64()
+                let t1 = Instant::now();
+                encode(&mut trace, &mut buf);
+                ((t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64())
             })
+            .skip(1)
             .collect();
-        let m = median(times);
+        let (cb, wr) = (median(times.iter().map(|x| x.0).collect()), median(times.iter().map(|x| x.1).collect()));
         // bytes read per token: per layer the ids, gates, norms and maxima (4 × k × 4), and
         // the probabilities whole (4 × e) or the selected ones and the candidates (4k + 8(n+1))
-        let per_layer = 16 * k + if device { 4 * k + 8 * (n + 1) } else { 4 * e };
+        let per_layer = 16 * k + if !device { 4 * e } else if with_trace { 4 * k + 8 * (n + 1) } else { 4 * k };
         println!(
-            "  {:<6} {:8.2} ms per ubatch, {:6.3} us per token-layer, {} bytes read per token",
-            if device { "device" } else { "whole" },
-            m * 1e3,
-            m * 1e6 / (t * n_layer) as f64,
+            "  {:<16} callback {:7.2} ms per ubatch ({:5.3} us per token-layer), trace encoding {:7.2} ms; {} bytes read per token",
+            match (device, with_trace) {
+                (false, _) => "whole",
+                (true, true) => "device",
+                (true, false) => "device, no trace",
+            },
+            cb * 1e3,
+            cb * 1e6 / (t * n_layer) as f64,
+            wr * 1e3,
             per_layer * n_layer
         );
-        results.push(m);
+        results.push((cb, wr));
     }
-    println!("  device / whole: {:.3}", results[1] / results[0]);
+    println!(
+        "  callback device / whole: {:.3}; callback + encoding device / whole: {:.3}",
+        results[1].0 / results[0].0,
+        (results[1].0 + results[1].1) / (results[0].0 + results[0].1)
+    );
 }

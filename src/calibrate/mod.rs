@@ -445,10 +445,11 @@ impl Outputs<'_> {
             self.writer.send(Job::TraceCreate { path: trace_path, header });
             self.trace_started = true;
         }
-        let rows = std::mem::replace(&mut t.buf, self.writer.row_buffer());
+        t.spare.extend(self.writer.spare_routing());
+        let ubatches = std::mem::take(&mut t.pending);
         let n = std::mem::take(&mut t.pending_rows);
         r.rows_handed += n;
-        self.writer.send(Job::TraceRows { rows, n });
+        self.writer.send(Job::TraceUbatches { ubatches, n });
     }
 }
 

@@ -241,7 +241,7 @@ impl CalibrationObserver {
         }
         let t = r.trace.as_mut().unwrap();
         let sources = &r.batch.ubatches[u];
-        t.add_ubatch(&header.layout(), &r.sums.routing, sources);
+        t.add_ubatch(&header.layout(), &mut r.sums.routing, sources);
     }
 
     fn observe_reap(&mut self, node: Node<'_>) -> bool {
@@ -396,7 +396,6 @@ impl CalibrationObserver {
         }
         let n_expert = t.ne[0] as usize;
         let mut row = Vec::with_capacity(n_expert);
-        let mut order = Vec::new();
         let r = self.reap.as_mut().unwrap();
         let fill = |row: &mut Vec<f32>, bytes: &[u8]| {
             row.clear();
@@ -408,12 +407,12 @@ impl CalibrationObserver {
             for &tok in tokens {
                 let off = t.offset([0, tok as i64, 0, 0]);
                 fill(&mut row, &all[off..off + n_expert * 4]);
-                r.sums.on_cand_row(slot, tok, &row, &mut order);
+                r.sums.on_cand_row(slot, tok, &row);
             }
         } else {
             for &tok in tokens {
                 fill(&mut row, probs.bytes_at(t.offset([0, tok as i64, 0, 0]), n_expert * 4, &mut self.scratch_b));
-                r.sums.on_cand_row(slot, tok, &row, &mut order);
+                r.sums.on_cand_row(slot, tok, &row);
             }
         }
         self.candidate_rows_read += tokens.len() as u64;

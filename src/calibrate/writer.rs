@@ -5,6 +5,8 @@ use crate::collect::imatrix::Imatrix;
 use crate::formats::imatrix as imatrix_file;
 use anyhow::Result;
 use crate::formats::saliency::Saliency;
+use crate::collect::reap::LayerRouting;
+use crate::collect::trace_rows::PendingUbatch;
 use crate::formats::trace::{TraceFile, TraceHeader};
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::path::PathBuf;
@@ -23,8 +25,9 @@ pub enum Job {
     Saliency { path: PathBuf, saliency: Box<Saliency> },
     /// starts the trace file (header with 0 rows)
     TraceCreate { path: PathBuf, header: TraceHeader },
-    /// appends encoded rows and rewrites the header; the buffer comes back for reuse
-    TraceRows { rows: Vec<u8>, n: u64 },
+    /// encodes the ubatches' `n` rows (ordering their candidates), appends them and rewrites
+    /// the header; the emptied routing sets come back for reuse
+    TraceUbatches { ubatches: Vec<PendingUbatch>, n: u64 },
     /// makes the writer thread panic (tests of a dead writer)
     #[cfg(test)]
     Panic,
@@ -35,8 +38,8 @@ pub enum Job {
 pub struct Writer {
     tx: Option<Sender<Job>>,
     handle: Option<JoinHandle<Result<()>>>,
-    /// emptied row buffers, back from the writer
-    recycled: Receiver<Vec<u8>>,
+    /// emptied routing sets, back from the writer
+    recycled: Receiver<Vec<LayerRouting>>,
     /// the first write error, as soon as it happens, for the compute thread to stop on
     failed: Arc<OnceLock<String>>,
 }
@@ -55,7 +58,8 @@ impl std::error::Error for WriteFailed {}
 impl Writer {
     pub fn spawn() -> Writer {
         let (tx, rx) = bounded::<Job>(8);
-        let (back_tx, recycled) = bounded::<Vec<u8>>(8);
+        // a few batches of ubatches in flight
+        let (back_tx, recycled) = bounded::<Vec<LayerRouting>>(32);
         let failed = Arc::new(OnceLock::new());
         let seen = failed.clone();
         let handle = std::thread::Builder::new()
@@ -63,6 +67,7 @@ impl Writer {
             .spawn(move || -> Result<()> {
                 let mut first_err: Option<anyhow::Error> = None;
                 let mut trace: Option<TraceFile> = None;
+                let mut rows = Vec::new();
                 for job in rx {
                     // after a failure the rest is dropped unwritten (a later checkpoint must not
                     // replace a good one with a state the trace no longer matches), but the
@@ -70,7 +75,7 @@ impl Writer {
                     if first_err.is_some() {
                         continue;
                     }
-                    if let Err(e) = run_job(job, &mut trace, &back_tx) {
+                    if let Err(e) = run_job(job, &mut trace, &mut rows, &back_tx) {
                         let _ = seen.set(format!("{e:#}"));
                         first_err = Some(e);
                     }
@@ -86,9 +91,9 @@ impl Writer {
         self.failed.get().map(|e| WriteFailed(e.clone()))
     }
 
-    /// An empty buffer for trace rows: a recycled one when the writer has returned any.
-    pub fn row_buffer(&self) -> Vec<u8> {
-        self.recycled.try_recv().unwrap_or_default()
+    /// The routing sets the writer has emptied since last asked.
+    pub fn spare_routing(&self) -> impl Iterator<Item = Vec<LayerRouting>> + '_ {
+        self.recycled.try_iter()
     }
 
     pub fn send(&self, job: Job) {
@@ -133,7 +138,7 @@ impl Drop for Writer {
     }
 }
 
-fn run_job(job: Job, trace: &mut Option<TraceFile>, back: &Sender<Vec<u8>>) -> Result<()> {
+fn run_job(job: Job, trace: &mut Option<TraceFile>, rows: &mut Vec<u8>, back: &Sender<Vec<LayerRouting>>) -> Result<()> {
     match job {
         Job::Imatrix { path, state, format, prompt_file, chunk_size, progress_at } => {
             match format {
@@ -154,14 +159,14 @@ fn run_job(job: Job, trace: &mut Option<TraceFile>, back: &Sender<Vec<u8>>) -> R
             let _ = done.send(());
             Ok(())
         }
-        Job::TraceRows { mut rows, n } => {
-            let r = match trace.as_mut() {
-                Some(t) => t.append(&rows, n),
-                None => Err(anyhow::anyhow!("trace rows before the trace file was created")),
-            };
+        Job::TraceUbatches { ubatches, n } => {
+            let Some(t) = trace.as_mut() else { anyhow::bail!("trace rows before the trace file was created") };
             rows.clear();
-            let _ = back.try_send(rows);
-            r
+            for u in ubatches {
+                u.encode(rows).map_err(|e| anyhow::anyhow!("{e}"))?;
+                let _ = back.try_send(u.into_spare());
+            }
+            t.append(rows, n)
         }
         #[cfg(test)]
         Job::Panic => panic!("injected writer panic"),
@@ -191,7 +196,7 @@ mod tests {
         // far more jobs than the channel holds: none blocks, none is written
         let later = dir.join("later.bin");
         for _ in 0..100 {
-            w.send(Job::TraceRows { rows: vec![0; header.row_size()], n: 1 });
+            w.send(Job::TraceUbatches { ubatches: Vec::new(), n: 1 });
         }
         w.send(Job::TraceCreate { path: later.clone(), header });
         let e = w.finish().unwrap_err();
@@ -209,7 +214,7 @@ mod tests {
         let t0 = std::time::Instant::now();
         // far more than the channel holds: each send fails fast once the thread is gone
         while w.failure().is_none() {
-            w.send(Job::TraceRows { rows: Vec::new(), n: 0 });
+            w.send(Job::TraceUbatches { ubatches: Vec::new(), n: 0 });
             assert!(t0.elapsed().as_secs() < 10, "blocked or never noticed");
         }
         assert!(w.failure().unwrap().to_string().contains("ended unexpectedly"));

@@ -51,11 +51,83 @@ pub struct LayerRouting {
     pub on_device: bool,
     /// `[T][k]` router probability of each selected expert (`on_device`)
     pub sel_prob: Vec<f32>,
-    /// `ffn_moe_cand-L` as read: `[T][top_n + 1]` ids in ggml's order
-    raw_cand: Vec<u16>,
-    /// `[T][top_n]` the trace's candidates, best first, and their probabilities (`on_device`)
-    pub cand_id: Vec<u16>,
-    pub cand_p: Vec<f32>,
+    /// `[T][top_n + 1]` the most probable experts as ggml's top-k gave them (`ffn_moe_cand`,
+    /// in no particular order), and their probabilities (`ffn_moe_cand_p`); ordered into the
+    /// trace's candidates by [`LayerRouting::candidates`] (on the writer thread)
+    pub raw_cand: Vec<u16>,
+    pub raw_cand_p: Vec<f32>,
+    /// the whole probability rows of the tokens whose candidates do not decide the top n, by
+    /// token, ascending
+    pub tie_rows: Vec<(usize, Vec<f32>)>,
+}
+
+impl LayerRouting {
+    /// Empties every per-ubatch field, keeping the memory (a routing set is reused).
+    pub fn clear(&mut self) {
+        self.n_tokens = 0;
+        self.on_device = false;
+        self.sel_id.clear();
+        self.sel_weight.clear();
+        self.probs.clear();
+        self.norms.clear();
+        self.maxes.clear();
+        self.norms_from.clear();
+        self.sel_prob.clear();
+        self.raw_cand.clear();
+        self.raw_cand_p.clear();
+        self.tie_rows.clear();
+    }
+
+    /// Token `tok`'s top `out_id.len()` experts, best first (ties to the lower id), and their
+    /// probabilities: chosen from its probability row on the host path; ordered from ggml's
+    /// top-(n+1) candidates on the device path, or from its whole row where they tie.
+    pub fn candidates(&self, tok: usize, out_id: &mut [u16], out_p: &mut [f32], order: &mut Vec<u16>) -> Result<(), String> {
+        let n = out_id.len();
+        let from_row = |row: &[f32], out_id: &mut [u16], out_p: &mut [f32], order: &mut Vec<u16>| {
+            crate::collect::trace_rows::top_candidates(row, n, order);
+            for (j, &e) in order.iter().enumerate() {
+                out_id[j] = e;
+                out_p[j] = row[e as usize];
+            }
+        };
+        if !self.on_device {
+            let n_expert = self.probs.len() / self.n_tokens.max(1);
+            from_row(&self.probs[tok * n_expert..(tok + 1) * n_expert], out_id, out_p, order);
+            return Ok(());
+        }
+        if let Ok(i) = self.tie_rows.binary_search_by_key(&tok, |r| r.0) {
+            from_row(&self.tie_rows[i].1, out_id, out_p, order);
+            return Ok(());
+        }
+        let w = n + 1;
+        if self.raw_cand.len() < (tok + 1) * w {
+            return Err(format!("token {tok}: {} router candidates read for {} tokens, {w} per token expected", self.raw_cand.len(), self.n_tokens));
+        }
+        let (ids, p) = (&self.raw_cand[tok * w..(tok + 1) * w], &self.raw_cand_p[tok * w..(tok + 1) * w]);
+        if !order_candidates(ids, p, out_id, out_p) {
+            return Err(format!("token {tok}: its router candidates tie at the top-{n} boundary but its whole row was not read"));
+        }
+        Ok(())
+    }
+}
+
+/// Whether ggml's top-(n+1) candidates (probabilities `p`, any order) decide a token's top n
+/// as [`order_candidates`] would find: no probability is not a number, and the two smallest
+/// (in `total_cmp` order: the n-th and (n+1)-th) differ as floats. O(n), for the callback.
+pub fn candidates_decide(p: &[f32]) -> bool {
+    let (mut lo, mut second) = (f32::NAN, f32::NAN);
+    for (j, &v) in p.iter().enumerate() {
+        if v.is_nan() {
+            return false;
+        }
+        if j == 0 || v.total_cmp(&lo).is_lt() {
+            second = lo;
+            lo = v;
+        } else if j == 1 || v.total_cmp(&second).is_lt() {
+            second = v;
+        }
+    }
+    p.len() >= 2 && lo != second
 }
 
 impl LayerRouting {
@@ -204,8 +276,8 @@ impl ReapCollector {
         r.probs.clear();
         r.sel_prob.clear();
         r.raw_cand.clear();
-        r.cand_id.clear();
-        r.cand_p.clear();
+        r.raw_cand_p.clear();
+        r.tie_rows.clear();
         Ok(())
     }
 
@@ -232,21 +304,34 @@ impl ReapCollector {
         }
         let r = &mut self.routing[slot];
         r.raw_cand.clear();
+        let n = t.ne[0] as usize;
         for tok in 0..t.ne[1] {
-            for j in 0..t.ne[0] {
-                let id = t.read_i32(data, j, tok);
-                if id < 0 || id as usize >= n_expert {
-                    return Err(format!("{}: expert id {id} out of range 0..{n_expert}", t.name));
+            let start = r.raw_cand.len();
+            if t.nb[0] == 4 {
+                // a contiguous row: one pass the compiler vectorises, checked after
+                let row = i32s(data, t.offset([0, tok, 0, 0]), n);
+                r.raw_cand.extend(row.iter().map(|&id| id as u16));
+                if let Some(&bad) = row.iter().find(|&&id| id < 0 || id as usize >= n_expert) {
+                    return Err(format!("{}: expert id {bad} out of range 0..{n_expert}", t.name));
                 }
-                r.raw_cand.push(id as u16);
+            } else {
+                for j in 0..n as i64 {
+                    let id = t.read_i32(data, j, tok);
+                    if id < 0 || id as usize >= n_expert {
+                        return Err(format!("{}: expert id {id} out of range 0..{n_expert}", t.name));
+                    }
+                    r.raw_cand.push(id as u16);
+                }
             }
+            debug_assert_eq!(r.raw_cand.len() - start, n);
         }
         Ok(())
     }
 
     /// `ffn_moe_cand_p-L` (`on_device`): the probabilities at `ffn_moe_cand`'s ids, `[1, n, T]`.
-    /// Orders each token's candidates as the host path does ([`order_candidates`]); returns the
-    /// tokens for which they do not decide the top n - 1: each needs [`Self::on_cand_row`].
+    /// Returns the tokens whose candidates do not decide the top n - 1
+    /// ([`candidates_decide`]): each needs [`Self::on_cand_row`] while the graph's probabilities
+    /// are still there. The ordering itself is left to the trace's encoder.
     pub fn on_cand_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<Vec<usize>, String> {
         let r = &mut self.routing[slot];
         let n = t.ne[1] as usize;
@@ -261,34 +346,26 @@ impl ReapCollector {
                 t.ne
             ));
         }
-        let top_n = n - 1;
-        r.cand_id.resize(n_tokens * top_n, 0);
-        r.cand_p.resize(n_tokens * top_n, 0.0);
-        let mut p = vec![0f32; n];
+        r.raw_cand_p.clear();
         let mut undecided = Vec::new();
         for tok in 0..n_tokens {
-            for (j, v) in p.iter_mut().enumerate() {
-                *v = read_f32(data, t.offset([0, j as i64, tok as i64, 0]));
+            let start = r.raw_cand_p.len();
+            if t.nb[1] == 4 {
+                r.raw_cand_p.extend_from_slice(f32s(data, t.offset([0, 0, tok as i64, 0]), n));
+            } else {
+                r.raw_cand_p.extend((0..n).map(|j| read_f32(data, t.offset([0, j as i64, tok as i64, 0]))));
             }
-            let ids = &r.raw_cand[tok * n..(tok + 1) * n];
-            let out = tok * top_n..(tok + 1) * top_n;
-            if !order_candidates(ids, &p, &mut r.cand_id[out.clone()], &mut r.cand_p[out]) {
+            if !candidates_decide(&r.raw_cand_p[start..]) {
                 undecided.push(tok);
             }
         }
         Ok(undecided)
     }
 
-    /// A token's whole row of router probabilities, where its candidates did not decide: its
-    /// top n as the host path chooses them.
-    pub fn on_cand_row(&mut self, slot: usize, tok: usize, row: &[f32], order: &mut Vec<u16>) {
-        let r = &mut self.routing[slot];
-        let top_n = r.cand_id.len() / r.n_tokens.max(1);
-        crate::collect::trace_rows::top_candidates(row, top_n, order);
-        for (j, &e) in order.iter().enumerate() {
-            r.cand_id[tok * top_n + j] = e;
-            r.cand_p[tok * top_n + j] = row[e as usize];
-        }
+    /// A token's whole row of router probabilities, where its candidates do not decide (tokens
+    /// in ascending order).
+    pub fn on_cand_row(&mut self, slot: usize, tok: usize, row: &[f32]) {
+        self.routing[slot].tie_rows.push((tok, row.to_vec()));
     }
 
     /// `ffn_moe_topk-L`: `[k, T]` i32, read through its strides.
@@ -537,6 +614,14 @@ fn f32s(data: &[u8], off: usize, n: usize) -> &[f32] {
     crate::collect::imatrix::f32_row(data, off, n)
 }
 
+/// `n` contiguous i32 at byte `off` (graph tensors are aligned).
+fn i32s(data: &[u8], off: usize, n: usize) -> &[i32] {
+    let bytes = &data[off..off + 4 * n];
+    assert!(bytes.as_ptr() as usize % 4 == 0, "unaligned i32 row");
+    // SAFETY: bounds checked above, alignment asserted, any bit pattern is a valid i32.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<i32>(), n) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -744,6 +829,22 @@ mod tests {
         assert!(decided > 500 && undecided > 500, "decided {decided}, undecided {undecided}");
     }
 
+    /// The callback's O(n) test agrees with the ordering's own verdict.
+    #[test]
+    fn candidates_decide_exactly_when_the_ordering_does() {
+        let mut rng = crate::fixture::rng::Rng::new(5);
+        let vals = [0.5f32, 0.25, 0.0, -0.0, 0.125, 1.0, f32::NAN, 0.375];
+        for _ in 0..5000 {
+            let n = 1 + rng.below(6) as usize;
+            // a NaN in one row of four
+            let span = if rng.below(4) == 0 { 8 } else { 6 };
+            let p: Vec<f32> = (0..=n).map(|_| vals[rng.below(span) as usize]).collect();
+            let ids: Vec<u16> = (0..=n as u16).collect();
+            let (mut id, mut out) = (vec![0u16; n], vec![0f32; n]);
+            assert_eq!(candidates_decide(&p), order_candidates(&ids, &p, &mut id, &mut out), "{p:?}");
+        }
+    }
+
     #[test]
     fn a_candidate_that_is_not_a_number_leaves_the_row_undecided() {
         let (mut id, mut p) = (vec![0u16; 2], vec![0f32; 2]);
@@ -785,8 +886,7 @@ mod tests {
         let cp: Vec<f32> = cand.iter().enumerate().map(|(j, &e)| probs[(j / 4) * 6 + e as usize]).collect();
         let undecided = dev.on_cand_probs(0, &info("ffn_moe_cand_p-0", [1, 4, 3, 1], [4, 4, 16, 48], sys::GGML_TYPE_F32), &bytes_f32(&cp)).unwrap();
         assert_eq!(undecided, [2]);
-        let mut order = Vec::new();
-        dev.on_cand_row(0, 2, &probs[12..18], &mut order);
+        dev.on_cand_row(0, 2, &probs[12..18]);
         dev.on_topk(0, &ti, &ids).unwrap();
         let sel: Vec<f32> = [1usize, 2, 0, 1, 1, 4].iter().enumerate().map(|(j, &e)| probs[(j / 2) * 6 + e]).collect();
         dev.on_sel_probs(0, &info("ffn_moe_weights-0", [1, 2, 3, 1], [4, 4, 8, 24], sys::GGML_TYPE_F32), &bytes_f32(&sel)).unwrap();
@@ -794,15 +894,23 @@ mod tests {
         dev.on_weighted(0, "f", &gi, &bytes_f32(&g)).unwrap();
 
         assert_eq!(dev.layers[0], host.layers[0]);
-        let r = &dev.routing[0];
+        let (mut order, mut id, mut p) = (Vec::new(), [0u16; 3], [0f32; 3]);
         for tok in 0..3 {
             crate::collect::trace_rows::top_candidates(&probs[tok * 6..(tok + 1) * 6], 3, &mut order);
-            assert_eq!(r.cand_id[tok * 3..(tok + 1) * 3], order[..], "token {tok}");
-            let p: Vec<f32> = order.iter().map(|&e| probs[tok * 6 + e as usize]).collect();
-            assert_eq!(r.cand_p[tok * 3..(tok + 1) * 3], p[..]);
+            for r in [&dev.routing[0], &host.routing[0]] {
+                r.candidates(tok, &mut id, &mut p, &mut Vec::new()).unwrap();
+                assert_eq!(id[..], order[..], "token {tok}");
+                let want: Vec<f32> = order.iter().map(|&e| probs[tok * 6 + e as usize]).collect();
+                assert_eq!(p[..], want[..]);
+            }
         }
         // token 2's top 3: 0.35 (expert 1), 0.25 (4), then the lowest id of the 0.1s (0)
-        assert_eq!(r.cand_id[6..9], [1, 4, 0]);
+        dev.routing[0].candidates(2, &mut id, &mut p, &mut order).unwrap();
+        assert_eq!(id, [1, 4, 0]);
+        // without its whole row, token 2's tie is an error, not a guess
+        dev.routing[0].tie_rows.clear();
+        let e = dev.routing[0].candidates(2, &mut id, &mut p, &mut order).unwrap_err();
+        assert!(e.contains("tie"), "{e}");
     }
 
     #[test]

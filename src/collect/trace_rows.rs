@@ -74,24 +74,40 @@ impl BatchLayout {
     }
 }
 
-/// Collects encoded rows for the trace writer.
+/// Collects the trace's rows for the writer: each finished ubatch's routing is moved, not
+/// encoded, into `pending` (the callback's cost is a swap of buffers); the writer thread
+/// orders the candidates and encodes the rows ([`PendingUbatch::encode`]) while the next
+/// ubatch computes.
 pub struct TraceRows {
     pub top_n: usize,
     /// stop after this many rows (`--trace-tokens`)
     pub limit: u64,
-    /// rows encoded so far
+    /// rows taken so far
     pub rows: u64,
-    pub buf: Vec<u8>,
+    /// ubatches taken since the last hand-over to the writer, and their rows
+    pub pending: Vec<PendingUbatch>,
     pub pending_rows: u64,
     /// the phase of the rows being added (the driver sets it before each decode: a batch is
     /// all prompt or one generated token)
     pub phase: u32,
-    order: Vec<u16>,
+    /// routing sets back from the writer, emptied, for the collectors to fill again
+    pub spare: Vec<Vec<LayerRouting>>,
+}
+
+/// One ubatch's rows, as the collectors left them.
+pub struct PendingUbatch {
+    pub layout: RowLayout,
+    pub top_n: usize,
+    pub phase: u32,
+    /// per MoE layer
+    pub routing: Vec<LayerRouting>,
+    /// (chunk, pos, token) of each row taken (the first rows of the ubatch, within the limit)
+    pub sources: Vec<(u32, u32, i32)>,
 }
 
 impl TraceRows {
     pub fn new(top_n: usize, limit: u64) -> Self {
-        TraceRows { top_n, limit, rows: 0, buf: Vec::new(), pending_rows: 0, phase: crate::formats::trace::PHASE_PREFILL, order: Vec::new() }
+        TraceRows { top_n, limit, rows: 0, pending: Vec::new(), pending_rows: 0, phase: crate::formats::trace::PHASE_PREFILL, spare: Vec::new() }
     }
 
     pub fn done(&self) -> bool {
@@ -99,56 +115,61 @@ impl TraceRows {
     }
 
     /// Why `routing` cannot give this trace's rows, if it cannot: a layer read on the device
-    /// without `top_n` candidates per token.
+    /// without `top_n + 1` candidates per token.
     pub fn check_routing(&self, routing: &[LayerRouting]) -> Result<(), String> {
+        let w = self.top_n + 1;
         for lr in routing.iter().filter(|lr| lr.on_device) {
-            if lr.cand_id.len() != lr.n_tokens * self.top_n {
+            if lr.raw_cand.len() != lr.n_tokens * w || lr.raw_cand_p.len() != lr.n_tokens * w {
                 return Err(format!(
-                    "trace: {} router candidates read on the device for {} tokens, expected {} per token (REAP_ROUTER=host reads the whole probabilities)",
-                    lr.cand_id.len(),
+                    "trace: {} router candidates read on the device for {} tokens, expected {w} per token (REAP_ROUTER=host reads the whole probabilities)",
+                    lr.raw_cand.len(),
                     lr.n_tokens,
-                    self.top_n
                 ));
             }
         }
         Ok(())
     }
 
-    /// Encodes the rows of one finished ubatch. `sources[r]` says which token row r is.
-    pub fn add_ubatch(&mut self, layout: &RowLayout, routing: &[LayerRouting], sources: &[(u32, u32, i32)]) {
-        let n_layers = routing.len();
-        let k = layout.k;
-        let n = self.top_n;
+    /// Takes the rows of one finished ubatch (`sources[r]` says which token row r is): moves
+    /// `routing` out, leaving an emptied set of the same length in its place.
+    pub fn add_ubatch(&mut self, layout: &RowLayout, routing: &mut Vec<LayerRouting>, sources: &[(u32, u32, i32)]) {
+        let take = (sources.len() as u64).min(self.limit.saturating_sub(self.rows)) as usize;
+        if take == 0 {
+            return;
+        }
+        let mut fresh = self.spare.pop().unwrap_or_default();
+        fresh.resize_with(routing.len(), LayerRouting::default);
+        let routing = std::mem::replace(routing, fresh);
+        self.pending.push(PendingUbatch { layout: *layout, top_n: self.top_n, phase: self.phase, routing, sources: sources[..take].to_vec() });
+        self.rows += take as u64;
+        self.pending_rows += take as u64;
+    }
+}
+
+impl PendingUbatch {
+    /// Appends the encoded rows to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), String> {
+        let (n_layers, k, n) = (self.routing.len(), self.layout.k, self.top_n);
         let (mut sel_w, mut sel_id) = (vec![0f32; n_layers * k], vec![0u16; n_layers * k]);
         let (mut cand_p, mut cand_id) = (vec![0f32; n_layers * n], vec![0u16; n_layers * n]);
-        for (r, &(chunk, pos, token)) in sources.iter().enumerate() {
-            if self.done() {
-                return;
-            }
-            for (li, lr) in routing.iter().enumerate() {
+        let mut order = Vec::new();
+        for (r, &(chunk, pos, token)) in self.sources.iter().enumerate() {
+            for (li, lr) in self.routing.iter().enumerate() {
                 sel_w[li * k..(li + 1) * k].copy_from_slice(&lr.sel_weight[r * k..(r + 1) * k]);
                 sel_id[li * k..(li + 1) * k].copy_from_slice(&lr.sel_id[r * k..(r + 1) * k]);
-                if lr.on_device {
-                    // ordered from the device's candidates (patch 0003)
-                    cand_id[li * n..(li + 1) * n].copy_from_slice(&lr.cand_id[r * n..(r + 1) * n]);
-                    cand_p[li * n..(li + 1) * n].copy_from_slice(&lr.cand_p[r * n..(r + 1) * n]);
-                    continue;
-                }
-                let n_expert = lr.probs.len() / lr.n_tokens.max(1);
-                let probs = &lr.probs[r * n_expert..(r + 1) * n_expert];
-                top_candidates(probs, n, &mut self.order);
-                for (j, &e) in self.order.iter().enumerate() {
-                    cand_id[li * n + j] = e;
-                    cand_p[li * n + j] = probs[e as usize];
-                }
+                let c = li * n..(li + 1) * n;
+                lr.candidates(r, &mut cand_id[c.clone()], &mut cand_p[c], &mut order).map_err(|e| format!("trace, MoE layer slot {li}: {e}"))?;
             }
-            layout.encode(
-                &RowData { chunk, pos, token, phase: self.phase, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id },
-                &mut self.buf,
-            );
-            self.rows += 1;
-            self.pending_rows += 1;
+            self.layout.encode(&RowData { chunk, pos, token, phase: self.phase, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id }, out);
         }
+        Ok(())
+    }
+
+    /// The routing set, emptied for reuse.
+    pub fn into_spare(self) -> Vec<LayerRouting> {
+        let mut r = self.routing;
+        r.iter_mut().for_each(LayerRouting::clear);
+        r
     }
 }
 

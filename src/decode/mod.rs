@@ -272,10 +272,11 @@ impl TraceOut {
             self.started = true;
         }
         let t = r.trace.as_mut().unwrap();
-        let rows = std::mem::replace(&mut t.buf, self.writer.row_buffer());
+        t.spare.extend(self.writer.spare_routing());
+        let ubatches = std::mem::take(&mut t.pending);
         let n = std::mem::take(&mut t.pending_rows);
         r.rows_handed += n;
-        self.writer.send(Job::TraceRows { rows, n });
+        self.writer.send(Job::TraceUbatches { ubatches, n });
     }
 }
 
