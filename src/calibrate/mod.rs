@@ -317,13 +317,15 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     let copied = crate::llama::tensor::DEVICE_TO_HOST_BYTES.load(std::sync::atomic::Ordering::Relaxed);
     if copied > 0 {
         let tokens = (out.chunks_done as u64 * plan.n_ctx as u64).max(1);
-        eprintln!(
-            "collection: {:.1} MiB copied from device buffers ({} bytes per token; expert statistics read {}; router {})",
-            copied as f64 / (1u64 << 20) as f64,
-            copied / tokens,
-            if ctx.observer().expert_stats_on_device { "on the device" } else { "from the host copies" },
-            ctx.observer().router_summary()
-        );
+        let obs = ctx.observer();
+        // what REAP read (nothing with --no-reap)
+        let reap = if obs.reap.is_none() {
+            String::new()
+        } else {
+            let stats = if obs.expert_stats_on_device { "on the device" } else { "from the host copies" };
+            format!("; expert statistics read {stats}; router {}", obs.router_summary())
+        };
+        eprintln!("collection: {:.1} MiB copied from device buffers ({} bytes per token{reap})", copied as f64 / (1u64 << 20) as f64, copied / tokens);
     }
     eprintln!("imatrix written to {}", plan.args.output_file.display());
     if let (Some(p), Some(s)) = (&plan.reap_out, ctx.observer().saliency().filter(|s| !s.layers.is_empty())) {
