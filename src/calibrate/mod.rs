@@ -229,6 +229,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     observer.defer = defer;
     observer.router_on_device = router_on_device;
     observer.router_candidates = router_candidates;
+    if crate::llama::expert_stats::prefetch_wanted(defer) {
+        observer.prefetch = Some(Default::default());
+    }
     if plan.args.imatrix_on_device {
         observer.reducer = Some(crate::llama::reduce::DeviceReducer::default());
     }
@@ -304,8 +307,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         None => FileRecord::of("model", &model_path, &std::env::current_dir()?)?,
     };
     write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;
+    let prefetched = ctx.observer().prefetch.as_ref().map_or(String::new(), |p| format!(" ({} tensors copied with {} waits)", p.tensors, p.waits));
     eprintln!(
-        "collection: {:.3} s inside the eval callback over {} chunks; {} matmuls collected from the input of the one before (no callback of their own); {} nodes read at the end of their graph",
+        "collection: {:.3} s inside the eval callback over {} chunks; {} matmuls collected from the input of the one before (no callback of their own); {} nodes read at the end of their graph{prefetched}",
         ctx.observer().busy.as_secs_f64(),
         out.chunks_done,
         ctx.observer().shared_inputs,

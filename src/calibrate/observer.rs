@@ -84,6 +84,9 @@ pub struct CalibrationObserver {
     probs_nodes: Vec<*mut sys::ggml_tensor>,
     /// router probability rows read whole because the candidates did not decide them
     pub candidate_rows_read: u64,
+    /// with `defer`: the end-of-graph reads copied all at once, one wait per device
+    /// (`REAP_PREFETCH=0`: one copy and wait per tensor)
+    pub prefetch: Option<crate::llama::prefetch::Prefetcher>,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -172,6 +175,7 @@ impl CalibrationObserver {
             router_candidates: 0,
             probs_nodes: Vec::new(),
             candidate_rows_read: 0,
+            prefetch: None,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -529,6 +533,26 @@ impl CalibrationObserver {
         v
     }
 
+    /// The tensors reading `node` copies to the host: [`Self::reads`] less the inputs of the
+    /// matmuls whose imatrix rows are not collected on the host (reduced on their device by
+    /// `--imatrix-on-device`, or not wanted).
+    fn host_reads<'a>(&self, node: Node<'a>) -> Vec<Node<'a>> {
+        let mut v = self.reads(node);
+        let op = node.info().op;
+        if op == sys::GGML_OP_MUL_MAT || op == sys::GGML_OP_MUL_MAT_ID {
+            let on_host = self.collect_imatrix
+                && self.reducer.is_none()
+                && match (node.src(0), node.src(1)) {
+                    (Some(w), Some(x)) => imatrix::wants(op, imatrix::filter_tensor_name(w.name()), &x.info(), self.imatrix.cfg.process_output),
+                    _ => false,
+                };
+            if !on_host {
+                v.retain(|t| t.as_ptr() == node.as_ptr());
+            }
+        }
+        v
+    }
+
     /// Whether this node is read (collected now or, with `defer`, at the end of the graph).
     fn wants_now(&mut self, node: Node<'_>) -> bool {
         if self.reap.is_some() && self.reap_reads(node) {
@@ -557,6 +581,18 @@ impl CalibrationObserver {
     /// device before this returns (while the tensors they read are still the graph's).
     fn read_deferred(&mut self) -> bool {
         let nodes = std::mem::take(&mut self.deferred);
+        if let Some(mut pf) = self.prefetch.take() {
+            // every copy of the batch at once, one wait per device
+            // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
+            let live = nodes.iter().filter_map(|&p| unsafe { Node::from_raw(p) });
+            let tensors: Vec<*mut sys::ggml_tensor> = live.flat_map(|n| self.host_reads(n)).map(|t| t.as_ptr()).collect();
+            // SAFETY: as above, read before the graph's memory is reused; released below.
+            let fetched = unsafe { pf.fetch(&tensors) };
+            self.prefetch = Some(pf);
+            if let Err(e) = fetched {
+                return self.fail(format!("reading the end of the graph: {e:#} (chunk {}; REAP_PREFETCH=0 reads one tensor at a time)", self.chunk));
+            }
+        }
         if let Some(r) = self.reducer.as_mut() {
             r.batching = true;
         }
@@ -570,6 +606,9 @@ impl CalibrationObserver {
             if !ok {
                 break;
             }
+        }
+        if let Some(pf) = self.prefetch.as_mut() {
+            pf.release();
         }
         let Some(r) = self.reducer.as_mut() else { return ok };
         r.batching = false;

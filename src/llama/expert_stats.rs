@@ -61,6 +61,12 @@ pub fn router_wanted(keep: bool) -> bool {
     keep && std::env::var("REAP_ROUTER").map_or(true, |v| v != "host")
 }
 
+/// Whether the reads at the end of the graph are copied all at once (`llama::prefetch`): with
+/// `keep` ([`keep_wanted`]); `REAP_PREFETCH=0` copies one tensor at a time.
+pub fn prefetch_wanted(keep: bool) -> bool {
+    keep && std::env::var("REAP_PREFETCH").map_or(true, |v| v != "0")
+}
+
 /// The candidates per token patch 0003 should compute for a trace of `top_n` (None: no trace)
 /// of a model with `n_expert` experts: top-n + 1 (the extra one tells a tie at the boundary),
 /// where that copies no more than the whole probabilities (8 bytes a candidate, its id and

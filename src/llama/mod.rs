@@ -11,6 +11,7 @@ pub mod eval_callback;
 pub mod expert_stats;
 pub mod log;
 pub mod model;
+pub mod prefetch;
 pub mod reduce;
 pub mod sampler;
 pub mod sys;

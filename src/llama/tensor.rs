@@ -123,6 +123,14 @@ impl<'a> Node<'a> {
             // SAFETY: host data of a live tensor spans nbytes.
             return unsafe { std::slice::from_raw_parts(t.data as *const u8, n) };
         }
+        if let Some((p, len)) = super::prefetch::staged(self.raw) {
+            // copied already with the rest of a batch of reads (`prefetch`)
+            debug_assert_eq!(len, n);
+            scratch.clear();
+            // SAFETY: the staged copy of this tensor, valid until the batch is released.
+            scratch.extend_from_slice(unsafe { std::slice::from_raw_parts(p, len) });
+            return &scratch[..];
+        }
         scratch.resize(n, 0);
         DEVICE_TO_HOST_BYTES.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: copying nbytes out of a live tensor into a buffer of that size.

@@ -349,18 +349,21 @@ fn device_expert_stats_equal_the_host_computation_to_rounding() {
 /// Patch 0002: offloaded, what the callback reads is kept to the end of the graph and read
 /// there, instead of ending a piece of the graph (and waiting for the device) at every node.
 /// The files are those of reading node by node (`REAP_DEFER=0`), in both imatrix modes, with
-/// two ubatches per chunk and checkpoints on the way.
+/// two ubatches per chunk and checkpoints on the way, whether the reads at the end are copied
+/// all at once with one wait per ubatch (`llama::prefetch`) or one at a time
+/// (`REAP_PREFETCH=0`).
 #[test]
 fn deferred_reads_give_the_files_of_node_by_node_reads() {
     let server = RpcServer::start();
     let model = fixture("qwen3moe");
     for mode in [&[][..], &["--imatrix-on-device"][..]] {
-        let go = |defer: &str| {
-            let d = temp_dir(&format!("deferred-{defer}-{}", mode.len()));
+        let go = |defer: &str, prefetch: &str| {
+            let d = temp_dir(&format!("deferred-{defer}-{prefetch}-{}", mode.len()));
             let out = run_ok(
                 Command::new(ours())
                     .current_dir(&d)
                     .env("REAP_DEFER", defer)
+                    .env("REAP_PREFETCH", prefetch)
                     .arg("-m")
                     .arg(&model)
                     .arg("-f")
@@ -370,16 +373,16 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
                     .args(mode),
             );
             let err = String::from_utf8_lossy(&out.stderr).into_owned();
-            let read_at_end: u64 = err
-                .split(" nodes read at the end of their graph")
-                .next()
-                .and_then(|s| s.rsplit(' ').next()?.parse().ok())
-                .unwrap_or_else(|| panic!("no deferred-read count:\n{err}"));
-            let graphs: Option<u64> = err.split(" reduction graphs run").next().and_then(|s| s.rsplit(' ').next()?.parse().ok());
-            (d, read_at_end, graphs)
+            let count = |after: &str| -> Option<u64> { err.split(after).next().filter(|s| s.len() < err.len())?.rsplit(' ').next()?.parse().ok() };
+            let read_at_end = count(" nodes read at the end of their graph").unwrap_or_else(|| panic!("no deferred-read count:\n{err}"));
+            (d, read_at_end, count(" reduction graphs run"), count(" waits)"))
         };
-        let ((deferred, n, batched), (by_node, zero, one_by_one)) = (go("1"), go("0"));
-        assert!(n > 0 && zero == 0, "{mode:?}: {n} and {zero} nodes read at the end");
+        let (deferred, n, batched, waits) = go("1", "1");
+        let (one_at_a_time, n1, _, no_waits) = go("1", "0");
+        let (by_node, zero, one_by_one, _) = go("0", "1");
+        assert!(n > 0 && n1 == n && zero == 0, "{mode:?}: {n}, {n1} and {zero} nodes read at the end");
+        // the end-of-graph reads of each of the 12 ubatches copied together, one wait each
+        assert_eq!((waits, no_waits), (Some(12), None), "{mode:?}");
         if !mode.is_empty() {
             // 6 chunks of 2 ubatches; per ubatch and layer 5 weights of their own input (q, o,
             // the router, up/gate, down): one graph per ubatch when read at the end
@@ -387,6 +390,7 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
         }
         for f in ["i.gguf", "i.gguf.at_3", "i.gguf.at_6", "i.reap.json", "t.bin"] {
             assert_same_bytes(&deferred.join(f), &by_node.join(f));
+            assert_same_bytes(&one_at_a_time.join(f), &by_node.join(f));
         }
     }
 }
