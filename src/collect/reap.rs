@@ -155,8 +155,8 @@ pub fn order_candidates(ids: &[u16], p: &[f32], out_id: &mut [u16], out_p: &mut 
     if p.iter().any(|v| v.is_nan()) {
         return false;
     }
-    use crate::collect::trace_rows::{candidate_key, key_prob};
-    KEYS.with_borrow_mut(|keys| {
+    use crate::collect::trace_rows::{candidate_key, key_prob, with_keys};
+    with_keys(|keys| {
         keys.clear();
         keys.extend(ids.iter().zip(p).map(|(&e, &v)| candidate_key(v, e)));
         keys.sort_unstable();
@@ -169,11 +169,6 @@ pub fn order_candidates(ids: &[u16], p: &[f32], out_id: &mut [u16], out_p: &mut 
         }
         true
     })
-}
-
-thread_local! {
-    /// `order_candidates`' sort keys (no allocation per token and layer)
-    static KEYS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// MoE layers are discovered from the graph (the first `ffn_moe_probs-L` of each block), so any
@@ -195,6 +190,18 @@ pub struct ReapCollector {
 fn check_slot_stats(t: &TensorInfo, k: usize) -> Result<(), String> {
     if t.ne[0] != 1 || t.ne[1] as usize != k || t.ty != crate::llama::sys::GGML_TYPE_F32 {
         return Err(format!("{}: expected f32 [1, {k}, T], got type {} {:?}", t.name, t.ty, t.ne));
+    }
+    Ok(())
+}
+
+/// A `[1, k, T]` f32 node (any strides) into `out`, token by token, slot by slot.
+fn read_slots(t: &TensorInfo, k: usize, data: &[u8], out: &mut Vec<f32>) -> Result<(), String> {
+    check_slot_stats(t, k)?;
+    out.clear();
+    for tok in 0..t.ne[2] {
+        for s in 0..k as i64 {
+            out.push(read_f32(data, t.offset([0, s, tok, 0])));
+        }
     }
     Ok(())
 }
@@ -284,16 +291,7 @@ impl ReapCollector {
     /// `ffn_moe_weights-L` (`on_device`): the probabilities at the selected experts, `[1, k, T]`
     /// (a GET_ROWS of the probabilities: the same f32 values the host path picks out).
     pub fn on_sel_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
-        let k = self.layers[slot].n_expert_used;
-        check_slot_stats(t, k)?;
-        let r = &mut self.routing[slot];
-        r.sel_prob.clear();
-        for tok in 0..t.ne[2] {
-            for s in 0..k as i64 {
-                r.sel_prob.push(read_f32(data, t.offset([0, s, tok, 0])));
-            }
-        }
-        Ok(())
+        read_slots(t, self.layers[slot].n_expert_used, data, &mut self.routing[slot].sel_prob)
     }
 
     /// `ffn_moe_cand-L` (`on_device`): `[top_n + 1, T]` i32 expert ids, in no particular order.
@@ -440,16 +438,7 @@ impl ReapCollector {
 
     /// `ffn_moe_down_max-L` (patch 0001): the largest element of each slot's output, `[1, k, T]`.
     pub fn on_expert_maxes(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
-        let k = self.layers[slot].n_expert_used;
-        check_slot_stats(t, k)?;
-        let r = &mut self.routing[slot];
-        r.maxes.clear();
-        for tok in 0..t.ne[2] {
-            for s in 0..k as i64 {
-                r.maxes.push(read_f32(data, t.offset([0, s, tok, 0])));
-            }
-        }
-        Ok(())
+        read_slots(t, self.layers[slot].n_expert_used, data, &mut self.routing[slot].maxes)
     }
 
     /// `ffn_moe_weighted-L`: `g` = its src1 `[1, k, T]` (any strides); `f_name` its src0.

@@ -176,7 +176,7 @@ impl PendingUbatch {
 /// The `n` most probable experts, best first; ties go to the lower id (probabilities in
 /// `f32::total_cmp` order).
 pub fn top_candidates(probs: &[f32], n: usize, out: &mut Vec<u16>) {
-    KEYS.with_borrow_mut(|keys| {
+    with_keys(|keys| {
         keys.clear();
         keys.extend(probs.iter().enumerate().map(|(e, &p)| candidate_key(p, e as u16)));
         if n < keys.len() {
@@ -192,6 +192,11 @@ pub fn top_candidates(probs: &[f32], n: usize, out: &mut Vec<u16>) {
 thread_local! {
     /// sort keys of the row being ordered (no allocation per token and layer)
     static KEYS: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's sort-key buffer ([`candidate_key`]s; its contents are `f`'s).
+pub(crate) fn with_keys<R>(f: impl FnOnce(&mut Vec<u64>) -> R) -> R {
+    KEYS.with_borrow_mut(f)
 }
 
 /// A key whose ascending order is the candidates' order: probability descending in
