@@ -308,24 +308,30 @@ fn independent_computation(arch: &str, normalised: bool) {
 /// on a GPU): reading the device-side `[1, k, T]` norm and max nodes instead of the whole
 /// outputs gives the host computation's sums to float rounding (f32 sums on the device, f64 on
 /// the host: close, and not all bit-equal, which shows the device path was taken), the same
-/// counts, maxima bit for bit, and an unchanged imatrix.
+/// counts, maxima bit for bit, and an unchanged imatrix. Both ways the patch takes the max: in
+/// one pass over the row (n_embd 64) and in two (n_embd 192: 64-wide pieces, then the row).
 #[test]
 fn device_expert_stats_equal_the_host_computation_to_rounding() {
     let server = RpcServer::start();
-    let model = fixture("qwen3moe");
+    for (key, model) in [("one-pass", fixture("qwen3moe")), ("two-pass", fixture_with("n-embd-192", &["--n-embd", "192"]))] {
+        device_expert_stats_match(&server, key, &model);
+    }
+}
+
+fn device_expert_stats_match(server: &RpcServer, key: &str, model: &Path) {
     let run_with = |how: &str| {
-        let d = temp_dir(&format!("expert-stats-{how}"));
+        let d = temp_dir(&format!("expert-stats-{key}-{how}"));
         let out = run(
             Command::new(ours())
                 .current_dir(&d)
                 .env("REAP_EXPERT_STATS", how)
                 .arg("-m")
-                .arg(&model)
+                .arg(model)
                 .arg("-f")
                 .arg(corpus())
                 .args(["-t", "2", "--no-ppl", "-o", "i.gguf", "-c", "128", "-b", "128", "--chunks", "4", "-ngl", "99", "--rpc", &server.endpoint]),
         );
-        assert!(out.status.success(), "{how}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{key} {how}: {}", String::from_utf8_lossy(&out.stderr));
         d
     };
     let (dev, host) = (run_with("device"), run_with("host"));
@@ -336,14 +342,14 @@ fn device_expert_stats_equal_the_host_computation_to_rounding() {
         assert_eq!(la.count, lb.count, "layer {}", la.layer);
         for (what, x, y) in [("reap_l2_sum", &la.reap_l2_sum, &lb.reap_l2_sum), ("ean_sum", &la.ean_sum, &lb.ean_sum), ("max_l2", &la.max_l2, &lb.max_l2)] {
             for (e, (p, q)) in x.iter().zip(y).enumerate() {
-                assert!((p - q).abs() <= 1e-5 * q.abs(), "layer {} {what}[{e}]: device {p}, host {q}", la.layer);
+                assert!((p - q).abs() <= 1e-5 * q.abs(), "{key}: layer {} {what}[{e}]: device {p}, host {q}", la.layer);
                 differing += (p != q) as usize;
             }
         }
         let (ra, rb) = (la.reference.as_ref().unwrap(), lb.reference.as_ref().unwrap());
-        assert_eq!(ra.max_activation, rb.max_activation, "layer {} max_activation", la.layer);
+        assert_eq!(ra.max_activation, rb.max_activation, "{key}: layer {} max_activation", la.layer);
     }
-    assert!(differing > 0, "device and host sums are bit-identical: the device statistics were not read");
+    assert!(differing > 0, "{key}: device and host sums are bit-identical: the device statistics were not read");
 }
 
 /// Patch 0002: offloaded, what the callback reads is kept to the end of the graph and read
