@@ -26,6 +26,11 @@ struct Device {
     galloc: sys::ggml_gallocr_t,
     /// n_expert → (context, buffer, identity tensor `[n, n]` f32)
     identities: Vec<(i64, *mut sys::ggml_context, sys::ggml_backend_buffer_t, *mut sys::ggml_tensor)>,
+    /// the context of the last graph computed here, reset and reused by the next: the same
+    /// reductions then build the same nodes at the same addresses every ubatch, which is what
+    /// lets a backend that records graphs (CUDA graphs, keyed by the first node's address and
+    /// checked node by node) replay the batch instead of launching each kernel anew
+    spare: Option<Graph>,
 }
 
 /// One weight's running sums on its device, for the chunk in flight.
@@ -70,6 +75,8 @@ pub struct DeviceReducer {
     pub graphs_run: u64,
     /// bytes copied back to the host (the drained accumulators)
     pub bytes_out: u64,
+    /// the address of the last computed graph's first node (what CUDA keys its graphs by)
+    first_node: usize,
 }
 
 /// Reductions queued on one device, computed together by `commit`.
@@ -272,7 +279,11 @@ impl DeviceReducer {
             return Ok(b.g.ctx);
         }
         // room for a whole batch only when batching: otherwise it holds one reduction
-        let g = Graph::new(TENSORS_PER_REDUCTION * if self.batching { BATCH_REDUCTIONS } else { 1 })?;
+        let capacity = TENSORS_PER_REDUCTION * if self.batching { BATCH_REDUCTIONS } else { 1 };
+        let g = match self.devices[d].spare.take() {
+            Some(g) if g.capacity == capacity => g.reset(),
+            _ => Graph::new(capacity)?,
+        };
         let ctx = g.ctx;
         self.batches.push(Batch { device: d, g, outs: Vec::new(), accs: Vec::new() });
         Ok(ctx)
@@ -285,6 +296,7 @@ impl DeviceReducer {
             // which is still running (the observer commits before it returns).
             unsafe { self.run(b.device, &b.g, &b.outs)? };
             self.graphs_run += 1;
+            self.devices[b.device].spare = Some(b.g);
         }
         Ok(())
     }
@@ -315,7 +327,11 @@ impl DeviceReducer {
             if buf.is_null() {
                 bail!("tensor without a buffer");
             }
-            let dev = sys::ggml_backend_buft_get_device(sys::ggml_backend_buffer_get_type(buf));
+            let mut dev = sys::ggml_backend_buft_get_device(sys::ggml_backend_buffer_get_type(buf));
+            if dev.is_null() && sys::ggml_backend_buffer_is_host(buf) {
+                // ggml's plain host buffers name no device: the CPU's
+                dev = sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU);
+            }
             if dev.is_null() {
                 bail!("the tensor's buffer type has no device");
             }
@@ -327,7 +343,7 @@ impl DeviceReducer {
                 bail!("could not start a backend on the tensor's device");
             }
             let galloc = sys::ggml_gallocr_new(sys::ggml_backend_get_default_buffer_type(backend));
-            self.devices.push(Device { dev, backend, galloc, identities: Vec::new() });
+            self.devices.push(Device { dev, backend, galloc, identities: Vec::new(), spare: None });
             Ok(self.devices.len() - 1)
         }
     }
@@ -364,6 +380,7 @@ impl DeviceReducer {
             for &o in outs {
                 sys::ggml_build_forward_expand(gf, o);
             }
+            self.first_node = sys::ggml_graph_node(gf, 0) as usize;
             if !sys::ggml_gallocr_alloc_graph(dev.galloc, gf) {
                 bail!("could not allocate the reduction on the device");
             }
@@ -389,6 +406,7 @@ impl Drop for DeviceReducer {
                     sys::ggml_backend_buffer_free(buf);
                     sys::ggml_free(ctx);
                 }
+                drop(d.spare);
                 sys::ggml_gallocr_free(d.galloc);
                 sys::ggml_backend_free(d.backend);
             }
@@ -418,6 +436,13 @@ impl Graph {
         }
         Ok(Graph { ctx, capacity })
     }
+
+    /// The same context emptied, for the next graph.
+    fn reset(self) -> Graph {
+        // SAFETY: nothing built in it is used any more (its graph was computed).
+        unsafe { sys::ggml_reset(self.ctx) };
+        self
+    }
 }
 
 /// A leaf in `ctx` with `x`'s type, shape, strides, buffer and data, and no sources.
@@ -435,5 +460,43 @@ impl Drop for Graph {
     fn drop(&mut self) {
         // SAFETY: created in new().
         unsafe { sys::ggml_free(self.ctx) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dense input's Σx² per column and its rows, accumulated over ubatches; each ubatch's
+    /// graph is built at the last one's addresses even when other memory was allocated in
+    /// between (as the observer does), so a backend that records graphs can replay it.
+    #[test]
+    fn batches_reuse_their_context_and_sum_squares() {
+        // SAFETY: a CPU tensor of ours, live for the reducer's use of it.
+        unsafe {
+            let ctx = sys::ggml_init(sys::ggml_init_params { mem_size: sys::ggml_tensor_overhead() * 2, mem_buffer: std::ptr::null_mut(), no_alloc: true });
+            let x = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, 3, 2);
+            let buf = sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx, sys::ggml_backend_cpu_buffer_type());
+            assert!(!buf.is_null());
+            let vals = [1.0f32, 2.0, 3.0, -1.0, 0.5, 2.0];
+            sys::ggml_backend_tensor_set(x, vals.as_ptr().cast(), 0, 24);
+            let mut r = DeviceReducer::default();
+            r.batching = true;
+            let (mut firsts, mut held) = (Vec::new(), Vec::new());
+            for _ in 0..3 {
+                r.dense("w", Node::from_raw(x).unwrap()).unwrap();
+                r.commit().unwrap();
+                firsts.push(r.first_node);
+                // what a freed context's memory would be handed to next
+                held.push(vec![1u8; 16 << 20]);
+            }
+            assert!(firsts[0] != 0 && firsts.iter().all(|&f| f == firsts[0]), "first nodes at {firsts:x?}");
+            let out = r.drain().unwrap();
+            assert_eq!(out[0].sums, vec![6.0, 12.75, 39.0]);
+            assert_eq!(out[0].counts, vec![6.0]);
+            drop(r);
+            sys::ggml_backend_buffer_free(buf);
+            sys::ggml_free(ctx);
+        }
     }
 }
