@@ -3,7 +3,7 @@
 //! --trace-top-n 64). On a GPU this work runs inside the eval callback while the device
 //! waits, so it bounds how close a full collection can get to a plain forward pass.
 //!
-//!     cargo run --release --example bench_host_collection -- [LAYERS EXPERTS K TOKENS TOP_N RUNS]
+//!     cargo run --release --example bench_host_collection -- [LAYERS EXPERTS K TOKENS TOP_N RUNS [N_EMBD FFN]]
 //!
 //! Two paths, the same collectors the observer drives:
 //! - whole: the router probabilities `[n_expert, T]` read whole (the host path, and offloaded
@@ -15,7 +15,15 @@
 //! without a trace (REAP sums alone). Prints medians per ubatch of the callback's part (the
 //! collectors; the trace's rows are moved out, not encoded) and of the writer thread's part
 //! (candidates ordered, rows encoded), and the bytes each path reads per token.
+//!
+//! Then the exact imatrix's host work per ubatch (offloaded, each collected matmul input is
+//! copied and its Σx² summed in the callback): per layer the inputs of q (k and v share it),
+//! the attention output, the router, the experts' up (gate shares it; `[N_EMBD, 1, T]`, each
+//! token added to its K experts) and down (`[FFN, K, T]`), defaults 2048 and 512; on one
+//! thread, and on every core (`collect::pool`, used when layers are offloaded).
 
+use reap_imatrix::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig};
+use reap_imatrix::collect::pool::Pool;
 use reap_imatrix::collect::reap::ReapCollector;
 use reap_imatrix::collect::trace_rows::{top_candidates, TraceRows};
 use reap_imatrix::fixture::rng::Rng;
@@ -131,6 +139,21 @@ fn encode(trace: &mut TraceRows, buf: &mut Vec<u8>) {
     trace.rows = 0;
 }
 
+/// The exact imatrix's sums of one ubatch: `inputs` (dense x, its rows), `up` `[n_embd, 1, T]`
+/// and `down` `[ffn, k, T]` with `ids` `[k, T]`, for every layer.
+fn imatrix_ubatch(c: &mut ImatrixCollector, layers: usize, e: usize, k: usize, t: usize, n_embd: usize, ffn: usize, x: &[u8], down: &[u8], ids: &[u8]) {
+    let (ti, ki, d, f) = (t as i64, k as i64, n_embd as i64, ffn as i64);
+    let f32t = sys::GGML_TYPE_F32;
+    let ids_info = info("ids", [ki, ti, 1, 1], sys::GGML_TYPE_I32);
+    for l in 0..layers {
+        for w in ["attn_q", "attn_output", "ffn_gate_inp"] {
+            c.collect_mul_mat(&format!("blk.{l}.{w}.weight"), [d, d, 1, 1], &info("x", [d, ti, 1, 1], f32t), x).unwrap();
+        }
+        c.collect_mul_mat_id(&format!("blk.{l}.ffn_up_exps.weight"), e as i64, &info("x", [d, 1, ti, 1], f32t), x, &ids_info, ids).unwrap();
+        c.collect_mul_mat_id(&format!("blk.{l}.ffn_down_exps.weight"), e as i64, &info("x", [f, ki, ti, 1], f32t), down, &ids_info, ids).unwrap();
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -140,6 +163,7 @@ fn main() {
     let a: Vec<usize> = std::env::args().skip(1).map(|s| s.parse().expect("numbers: LAYERS EXPERTS K TOKENS TOP_N RUNS")).collect();
     let get = |i: usize, d: usize| a.get(i).copied().unwrap_or(d);
     let (n_layer, e, k, t, n, runs) = (get(0, 48), get(1, 512), get(2, 10), get(3, 512), get(4, 64), get(5, 5));
+    let (n_embd, ffn) = (get(6, 2048), get(7, 512));
     assert!(n + 1 < e && k <= n, "need TOP_N + 1 < EXPERTS and K <= TOP_N");
     let mut rng = Rng::new(7);
     let layers: Vec<Layer> = (0..n_layer).map(|_| layer(&mut rng, e, k, t, n)).collect();
@@ -182,5 +206,36 @@ fn main() {
         "  callback device / whole: {:.3}; callback + encoding device / whole: {:.3}",
         results[1].0 / results[0].0,
         (results[1].0 + results[1].1) / (results[0].0 + results[0].1)
+    );
+
+    // the exact imatrix: one layer's inputs (the same for every layer), routed as the
+    // probabilities above route layer 0
+    let x: Vec<f32> = (0..n_embd * t).map(|_| rng.normal() as f32).collect();
+    let down: Vec<f32> = (0..ffn * k * t).map(|_| rng.normal() as f32).collect();
+    let (x, down, ids) = (bytes_f32(&x), bytes_f32(&down), layers[0].topk.clone());
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let mut medians = Vec::new();
+    for threads in [1, cores] {
+        let cfg = ImatrixConfig { chunk_size: i32::MAX, out_freq: 1, save_freq: 0, process_output: false };
+        let mut c = ImatrixCollector::new(cfg, Imatrix::default());
+        c.pool = (threads > 1).then(|| Pool::new(threads));
+        let times: Vec<f64> = (0..=runs)
+            .map(|_| {
+                let t0 = Instant::now();
+                imatrix_ubatch(&mut c, n_layer, e, k, t, n_embd, ffn, &x, &down, &ids);
+                t0.elapsed().as_secs_f64()
+            })
+            .skip(1)
+            .collect();
+        medians.push(median(times));
+    }
+    let floats = n_layer * (4 * n_embd * t + k * n_embd * t + ffn * k * t);
+    println!(
+        "exact imatrix per ubatch (n_embd {n_embd}, expert FFN {ffn}; {:.0} MB of inputs, {:.0} M multiply-adds): 1 thread {:.2} ms, {cores} threads {:.2} ms ({:.2}x)",
+        (n_layer * (4 * n_embd * t + ffn * k * t) * 4) as f64 / 1e6,
+        floats as f64 / 1e6,
+        medians[0] * 1e3,
+        medians[1] * 1e3,
+        medians[0] / medians[1]
     );
 }

@@ -4,10 +4,17 @@
 //!
 //! The collector never writes: when upstream would save a checkpoint (inside the callback,
 //! mid-graph), it takes a snapshot of exactly that state and queues it for the writer.
+//!
+//! A large input is accumulated on several threads ([`ImatrixCollector::pool`]), each over a
+//! range of columns and every row in upstream's order: each sum sees the same additions in
+//! the same order, so the bytes do not depend on the thread count.
 
 
+use crate::collect::pool::Pool;
 use crate::llama::sys;
 use crate::llama::TensorInfo;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 pub use crate::formats::imatrix::{Imatrix, Stats};
 
@@ -39,6 +46,8 @@ pub struct ImatrixCollector {
     pub state: Imatrix,
     pub pending_saves: Vec<SaveRequest>,
     pub error: Option<NonFinite>,
+    /// threads for large inputs (the run's `-t`); None: the calling thread alone
+    pub pool: Option<Pool>,
 }
 
 /// `CUDA0#blk.0.attn_k.weight#0` → `blk.0.attn_k.weight`, as upstream's `filter_tensor_name`.
@@ -66,7 +75,7 @@ pub fn wants(op: sys::ggml_op, weight_name: &str, src1: &TensorInfo, process_out
 
 impl ImatrixCollector {
     pub fn new(cfg: ImatrixConfig, state: Imatrix) -> Self {
-        ImatrixCollector { cfg, state, pending_saves: Vec::new(), error: None }
+        ImatrixCollector { cfg, state, pending_saves: Vec::new(), error: None, pool: None }
     }
 
     /// Accumulates one MUL_MAT_ID: `src1` `[cols, n_used or 1, tokens]`, `ids` `[n_used, tokens]`
@@ -103,22 +112,29 @@ impl ImatrixCollector {
         } else if e.counts.len() != n_as as usize {
             return Err(format!("inconsistent expert count for {wname} ({} vs {n_as})", e.counts.len()));
         }
-        let mut touched = vec![false; n_as as usize];
+        // the routing first (ids checked, counts), then the sums
+        let mut routed = Vec::with_capacity((n_ids * n_tokens) as usize);
         for idx in 0..n_ids {
             for row in 0..n_tokens {
                 let ex = ids.read_i32(ids_data, idx, row) as i64;
                 if ex < 0 || ex >= n_as {
                     return Err(format!("{wname}: expert id {ex} out of range 0..{n_as}"));
                 }
-                let i11 = idx % src1.ne[1];
-                let x = f32_row(data, src1.offset([0, i11, row, 0]), ne0 as usize);
-                let acc = &mut e.values[(ex * ne0) as usize..((ex + 1) * ne0) as usize];
-                e.counts[ex as usize] += 1;
-                touched[ex as usize] = true;
-                accumulate_sq(acc, x);
+                routed.push((ex as usize, src1.offset([0, idx % src1.ne[1], row, 0])));
             }
         }
-        let finite = (0..n_as as usize).all(|ex| !touched[ex] || e.values[ex * ne0 as usize..(ex + 1) * ne0 as usize].iter().all(|v| v.is_finite()));
+        let mut touched = vec![false; n_as as usize];
+        for &(ex, _) in &routed {
+            e.counts[ex] += 1;
+            touched[ex] = true;
+        }
+        // each expert's sums: its rows in upstream's order (slot by slot, token by token)
+        let finite = by_columns(self.pool.as_ref(), &mut e.values, ne0 as usize, routed.len(), |c0, accs| {
+            for &(ex, off) in &routed {
+                accumulate_sq(accs[ex], f32_row(data, off + 4 * c0, accs[ex].len()));
+            }
+            accs.iter().zip(&touched).all(|(a, &t)| !t || a.iter().all(|v| v.is_finite()))
+        });
         self.after_update(wname, finite);
         Ok(())
     }
@@ -138,17 +154,18 @@ impl ImatrixCollector {
         } else if e.values.len() != (ne0 * n_mat) as usize {
             return Err(format!("inconsistent size for {wname} ({} vs {})", e.values.len(), ne0 * n_mat));
         }
-        for i3 in 0..src1.ne[3] {
-            for i2 in 0..src1.ne[2] {
-                let mat_id = (i3 % src0_ne[3]) * src0_ne[2] + (i2 % src0_ne[2]);
-                let acc = &mut e.values[(mat_id * ne0) as usize..((mat_id + 1) * ne0) as usize];
-                for row in 0..src1.ne[1] {
-                    let x = f32_row(data, src1.offset([0, row, i2, i3]), ne0 as usize);
-                    accumulate_sq(acc, x);
+        let finite = by_columns(self.pool.as_ref(), &mut e.values, ne0 as usize, src1.nrows() as usize, |c0, accs| {
+            for i3 in 0..src1.ne[3] {
+                for i2 in 0..src1.ne[2] {
+                    let acc = &mut *accs[((i3 % src0_ne[3]) * src0_ne[2] + (i2 % src0_ne[2])) as usize];
+                    for row in 0..src1.ne[1] {
+                        accumulate_sq(acc, f32_row(data, src1.offset([0, row, i2, i3]) + 4 * c0, acc.len()));
+                    }
                 }
             }
-        }
-        if !e.values.iter().all(|v| v.is_finite()) {
+            accs.iter().all(|a| a.iter().all(|v| v.is_finite()))
+        });
+        if !finite {
             self.error = Some(NonFinite { tensor: wname.to_string() });
             return Ok(());
         }
@@ -295,6 +312,42 @@ pub fn accumulate_sq(acc: &mut [f32], x: &[f32]) {
     }
 }
 
+/// Inputs below this many multiply-adds are summed on the calling thread alone (a job on the
+/// pool costs a few microseconds; this is about 50 of summing).
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+
+/// Runs `sum(c0, accs)` over `values` (`[mats][ne0]` sums): `accs[m]` is mat `m`'s sums of a
+/// range of columns from `c0` on. One range, the whole rows, on the calling thread; where
+/// `rows` rows of `ne0` make enough work, one range per thread of `pool` (measured at the GPU
+/// check's shape on this 2-core machine, `examples/bench_host_collection`: 1.6x on two
+/// threads; ranges of 256 columns were slower). Returns whether every call returned true.
+fn by_columns(pool: Option<&Pool>, values: &mut [f32], ne0: usize, rows: usize, sum: impl Fn(usize, &mut [&mut [f32]]) -> bool + Sync) -> bool {
+    let ne0 = ne0.max(1);
+    let threads = pool.map_or(1, |p| p.threads());
+    let parallel = threads > 1 && ne0 >= 32 && ne0 * rows >= PARALLEL_MIN_WORK;
+    if !parallel {
+        let mut accs: Vec<&mut [f32]> = values.chunks_mut(ne0).collect();
+        return sum(0, &mut accs);
+    }
+    // whole cache lines per range
+    let width = ne0.div_ceil(threads).next_multiple_of(16);
+    let mut cut: Vec<Vec<&mut [f32]>> = (0..ne0.div_ceil(width)).map(|_| Vec::new()).collect();
+    for mat in values.chunks_mut(ne0) {
+        for (p, piece) in mat.chunks_mut(width).enumerate() {
+            cut[p].push(piece);
+        }
+    }
+    let cut: Vec<Mutex<Vec<&mut [f32]>>> = cut.into_iter().map(Mutex::new).collect();
+    let ok = AtomicBool::new(true);
+    pool.expect("parallel needs a pool").run(cut.len(), &|p| {
+        let mut accs = cut[p].lock().unwrap_or_else(|e| e.into_inner());
+        if !sum(p * width, &mut accs) {
+            ok.store(false, Ordering::Relaxed);
+        }
+    });
+    ok.into_inner()
+}
+
 /// `n` f32 values starting at byte `off` of `data`.
 #[inline]
 pub fn f32_row(data: &[u8], off: usize, n: usize) -> &[f32] {
@@ -307,6 +360,62 @@ pub fn f32_row(data: &[u8], off: usize, n: usize) -> &[f32] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn info(ne: [i64; 4], ty: sys::ggml_type) -> TensorInfo<'static> {
+        let nb0 = 4usize;
+        let nb = [nb0, nb0 * ne[0] as usize, nb0 * (ne[0] * ne[1]) as usize, nb0 * (ne[0] * ne[1] * ne[2]) as usize];
+        TensorInfo { name: "x", op: 0, ty, ne, nb }
+    }
+
+    fn bytes<T: Copy>(v: &[T]) -> Vec<u8> {
+        // SAFETY: plain values viewed as bytes.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }.to_vec()
+    }
+
+    fn collector(threads: usize) -> ImatrixCollector {
+        let cfg = ImatrixConfig { chunk_size: 1 << 30, out_freq: 1, save_freq: 0, process_output: false };
+        let mut c = ImatrixCollector::new(cfg, Imatrix::default());
+        c.pool = (threads > 1).then(|| Pool::new(threads));
+        c
+    }
+
+    /// Large inputs are summed on several threads, by ranges of columns (here not multiples of
+    /// the 16-column pieces, over several matrices, routed to skewed experts): every sum and
+    /// count is bit for bit the one thread's, over three ubatches.
+    #[test]
+    fn sums_on_several_threads_equal_one_threads_bit_for_bit() {
+        let mut rng = crate::fixture::rng::Rng::new(11);
+        let (one, three) = (&mut collector(1), &mut collector(3));
+        for _ in 0..3 {
+            // dense: [200, 700, 2] input to a weight of 2 matrices (280,000 values)
+            let x: Vec<f32> = (0..200 * 700 * 2).map(|_| (rng.normal() * 3.0) as f32).collect();
+            for c in [&mut *one, &mut *three] {
+                c.collect_mul_mat("d", [200, 50, 2, 1], &info([200, 700, 2, 1], sys::GGML_TYPE_F32), &bytes(&x)).unwrap();
+            }
+            // experts: [144, 4, 512] input, 4 of 32 experts per token, a few experts heavy
+            let x: Vec<f32> = (0..144 * 4 * 512).map(|_| (rng.normal() * 2.0) as f32).collect();
+            let ids: Vec<i32> = (0..4 * 512).map(|i| if i % 3 == 0 { (i % 4) as i32 } else { (rng.next_u64() % 32) as i32 }).collect();
+            for c in [&mut *one, &mut *three] {
+                c.collect_mul_mat_id("e", 32, &info([144, 4, 512, 1], sys::GGML_TYPE_F32), &bytes(&x), &info([4, 512, 1, 1], sys::GGML_TYPE_I32), &bytes(&ids)).unwrap();
+            }
+        }
+        for w in ["d", "e"] {
+            let (a, b) = (&one.state.stats[w], &three.state.stats[w]);
+            assert_eq!(a.counts, b.counts, "{w}");
+            assert!(a.values.iter().zip(&b.values).all(|(x, y)| x.to_bits() == y.to_bits()), "{w}: sums differ");
+            assert!(a.values.iter().any(|&v| v > 0.0));
+        }
+        assert!(one.error.is_none() && three.error.is_none());
+    }
+
+    #[test]
+    fn a_non_finite_sum_is_found_in_any_part() {
+        let mut c = collector(3);
+        let mut x = vec![1.0f32; 200 * 2000];
+        x[199 * 1 + 200 * 1500] = f32::INFINITY; // the last column, in the last part
+        c.collect_mul_mat("d", [200, 10, 1, 1], &info([200, 2000, 1, 1], sys::GGML_TYPE_F32), &bytes(&x)).unwrap();
+        assert_eq!(c.error.as_ref().map(|e| e.tensor.as_str()), Some("d"));
+    }
 
     #[test]
     fn filter_name_strips_backend_prefix_and_suffix() {
