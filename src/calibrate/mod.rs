@@ -225,9 +225,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     let router_candidates = if router_on_device { crate::llama::expert_stats::router_candidates(trace_top_n, model.n_expert()) } else { 0 };
     crate::llama::expert_stats::set_router_candidates(router_candidates);
     // offloaded, the host's cores wait while the callback runs: the exact imatrix's sums of a
-    // large input are made on as many threads as the prompt's (-tb, -t's by default). On the
-    // CPU, ggml's own threads are about then (measured: the callback a tenth slower on 2 cores)
-    let (_, threads) = thread_counts(plan.args.threads, plan.args.threads_batch);
+    // large input are made on as many threads as the prompt's (-tb, -t's by default;
+    // REAP_COLLECT_THREADS sets it, 1: the callback's thread alone). On the CPU, ggml's own
+    // threads are about then (measured: the callback a tenth slower on 2 cores)
+    let (_, prompt_threads) = thread_counts(plan.args.threads, plan.args.threads_batch);
+    let threads = std::env::var("REAP_COLLECT_THREADS").ok().and_then(|v| v.parse::<i32>().ok()).filter(|&t| t > 0).unwrap_or(prompt_threads);
     if offloaded && threads > 1 {
         collector.pool = Some(crate::collect::pool::Pool::new(threads as usize));
     }
