@@ -46,7 +46,7 @@ pub struct ImatrixCollector {
     pub state: Imatrix,
     pub pending_saves: Vec<SaveRequest>,
     pub error: Option<NonFinite>,
-    /// threads for large inputs (the run's `-t`); None: the calling thread alone
+    /// threads for large inputs (offloaded runs: the prompt's); None: the calling thread alone
     pub pool: Option<Pool>,
 }
 
@@ -331,14 +331,14 @@ unsafe fn accumulate_sq_avx2(acc: &mut [f32], x: &[f32]) {
 }
 
 /// Inputs below this many multiply-adds are summed on the calling thread alone (a job on the
-/// pool costs a few microseconds; this is about 50 of summing).
+/// pool costs microseconds; this is tens of microseconds of summing).
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 
 /// Runs `sum(c0, accs)` over `values` (`[mats][ne0]` sums): `accs[m]` is mat `m`'s sums of a
 /// range of columns from `c0` on. One range, the whole rows, on the calling thread; where
-/// `rows` rows of `ne0` make enough work, one range per thread of `pool` (measured at the GPU
-/// check's shape on this 2-core machine, `examples/bench_host_collection`: 1.6x on two
-/// threads; ranges of 256 columns were slower). Returns whether every call returned true.
+/// `rows` rows of `ne0` make enough work, one range per thread of `pool` (narrower ranges, to
+/// keep the sums in L2, measured slower: docs/gpu.md). Returns whether every call returned
+/// true.
 fn by_columns(pool: Option<&Pool>, values: &mut [f32], ne0: usize, rows: usize, sum: impl Fn(usize, &mut [&mut [f32]]) -> bool + Sync) -> bool {
     let ne0 = ne0.max(1);
     let threads = pool.map_or(1, |p| p.threads());
