@@ -347,23 +347,37 @@ fn by_columns(pool: Option<&Pool>, values: &mut [f32], ne0: usize, rows: usize, 
         let mut accs: Vec<&mut [f32]> = values.chunks_mut(ne0).collect();
         return sum(0, &mut accs);
     }
-    // whole cache lines per range
-    let width = ne0.div_ceil(threads).next_multiple_of(16);
-    let mut cut: Vec<Vec<&mut [f32]>> = (0..ne0.div_ceil(width)).map(|_| Vec::new()).collect();
-    for mat in values.chunks_mut(ne0) {
-        for (p, piece) in mat.chunks_mut(width).enumerate() {
+    let bounds = column_cuts(ne0, threads, (values.as_ptr() as usize / 4) % 16);
+    let mut cut: Vec<Vec<&mut [f32]>> = (1..bounds.len()).map(|_| Vec::new()).collect();
+    for mut mat in values.chunks_mut(ne0) {
+        for (p, w) in bounds.windows(2).enumerate() {
+            let (piece, rest) = mat.split_at_mut(w[1] - w[0]);
             cut[p].push(piece);
+            mat = rest;
         }
     }
     let cut: Vec<Mutex<Vec<&mut [f32]>>> = cut.into_iter().map(Mutex::new).collect();
     let ok = AtomicBool::new(true);
     pool.expect("parallel needs a pool").run(cut.len(), &|p| {
         let mut accs = cut[p].lock().unwrap_or_else(|e| e.into_inner());
-        if !sum(p * width, &mut accs) {
+        if !sum(bounds[p], &mut accs) {
             ok.store(false, Ordering::Relaxed);
         }
     });
     ok.into_inner()
+}
+
+/// The column ranges of `by_columns`, one per thread: `[0, c1, …, ne0]`, each cut where a
+/// cache line of memory starts. `lead` is the f32 sums' offset within a line (in values): where
+/// each matrix's sums are whole lines (ne0 a multiple of 16) every matrix has that offset, so
+/// shifting the cuts by it leaves no line written by two threads (cut at multiples of 16 from
+/// the row's start, one line per matrix was: measured slower, docs/gpu.md).
+fn column_cuts(ne0: usize, threads: usize, lead: usize) -> Vec<usize> {
+    let lead = if ne0 % 16 == 0 { lead % 16 } else { 0 };
+    let mut cuts: Vec<usize> = (0..=threads).map(|i| ((i * ne0 / threads + lead).next_multiple_of(16) - lead).min(ne0)).collect();
+    cuts[0] = 0;
+    cuts.dedup();
+    cuts
 }
 
 /// `n` f32 values starting at byte `off` of `data`.
@@ -395,6 +409,29 @@ mod tests {
         let mut c = ImatrixCollector::new(cfg, Imatrix::default());
         c.pool = (threads > 1).then(|| Pool::new(threads));
         c
+    }
+
+    /// The ranges cover every column once, in order, and each inner cut starts a cache line
+    /// of memory wherever the sums start within one.
+    #[test]
+    fn column_ranges_start_at_cache_lines() {
+        for ne0 in [32, 48, 144, 200, 2048, 4096 + 8] {
+            for threads in [2, 3, 7, 16] {
+                for lead in 0..16 {
+                    let cuts = column_cuts(ne0, threads, lead);
+                    assert_eq!((cuts[0], *cuts.last().unwrap()), (0, ne0), "{ne0} {threads} {lead}");
+                    assert!(cuts.windows(2).all(|w| w[0] < w[1]), "{cuts:?}");
+                    assert!(cuts.len() - 1 <= threads, "{cuts:?}");
+                    let line = if ne0 % 16 == 0 { lead } else { 0 };
+                    for &c in &cuts[1..cuts.len() - 1] {
+                        assert_eq!((line + c) % 16, 0, "ne0 {ne0} threads {threads} lead {lead}: {cuts:?}");
+                    }
+                }
+            }
+        }
+        // a misaligned start: the first range is shortened to reach the next line
+        assert_eq!(column_cuts(2048, 2, 12), vec![0, 1028, 2048]);
+        assert_eq!(column_cuts(2048, 2, 0), vec![0, 1024, 2048]);
     }
 
     /// Large inputs are summed on several threads, by ranges of columns (here not multiples of
