@@ -629,6 +629,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
     // upstream's per-chunk perplexities grow one line on stdout: no live line over it
     let bar = if compute_ppl { bar.quiet_on_terminal() } else { bar };
     let mut out = std::io::stdout().lock();
+    let mut span = DecodeSpan::default();
     let mut i = 0;
     while i < n_chunk {
         let n_seq_batch = n_seq.min(n_chunk - i);
@@ -695,6 +696,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             if !completed && !ctx.observer().stopped_before_logits {
                 bail!("failed to eval: the graph was stopped");
             }
+            span.note();
             if compute_ppl && num_batches > 1 {
                 logits.extend_from_slice(ctx.logits(batch_size));
             }
@@ -738,6 +740,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
     outputs.writer.sync();
     bar.finish();
     writeln!(out)?;
+    span.report();
     if compute_ppl {
         match ppl.final_estimate() {
             Some((p, err)) => writeln!(out, "Final estimate: PPL = {p:.4} +/- {err:.5}")?,
@@ -745,6 +748,33 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
         }
     }
     Ok(None)
+}
+
+/// The decode loop timed from inside: when each decode returned. scripts/gpu-check compares
+/// runs by it (upstream's tools timed the same way by scripts/decode-span.c, whose line this
+/// is): the time of each decode after the first, the work between decodes included, without
+/// what a process pays once (the backend's start, the model's upload, the first decode's first
+/// touches, the files written at the end).
+#[derive(Default)]
+struct DecodeSpan {
+    decodes: u64,
+    first_end: Option<Instant>,
+    last_end: Option<Instant>,
+}
+
+impl DecodeSpan {
+    fn note(&mut self) {
+        let t = Instant::now();
+        self.decodes += 1;
+        self.first_end.get_or_insert(t);
+        self.last_end = Some(t);
+    }
+
+    fn report(&self) {
+        if let (Some(a), Some(b)) = (self.first_end, self.last_end) {
+            eprintln!("decode-span: {} decodes, {:.6} s from the end of the first to the end of the last", self.decodes, (b - a).as_secs_f64());
+        }
+    }
 }
 
 /// The rows of every ubatch of one batch: one sequence per corpus chunk in `chunks`, each
