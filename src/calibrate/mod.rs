@@ -325,7 +325,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         ctx.observer().deferred_reads
     );
     if let Some(r) = &ctx.observer().reducer {
-        eprintln!("collection: --imatrix-on-device copied {} bytes of per-chunk sums; {} reduction graphs run", r.bytes_out, r.graphs_run);
+        eprintln!("collection: --imatrix-on-device copied {} bytes of per-chunk sums; {} reduction graphs run ({} operations)", r.bytes_out, r.graphs_run, r.ops_run);
     }
     let copied = crate::llama::tensor::DEVICE_TO_HOST_BYTES.load(std::sync::atomic::Ordering::Relaxed);
     if copied > 0 {

@@ -7,10 +7,14 @@
 //! our own can run on the device that holds the input, in a backend instance of ours for that
 //! device. The input and the expert ids enter it as leaves that point at the scheduler's
 //! memory (same buffer, data pointer and strides, no sources), so nothing of llama.cpp's graph
-//! is pulled in. For MUL_MAT_ID the per-expert sums are one matmul: the squared input rows
-//! `[n_in, R]` times the one-hot routing `[n_expert, R]` (rows of an identity matrix gathered
-//! by the selected ids), R = slots × tokens. The result is added in place into the weight's
-//! accumulator, a tensor of ours on that device. With `batching` on (the observer's reads at
+//! is pulled in. For MUL_MAT_ID the per-expert sums are one outer product over the rows
+//! (`ggml_out_prod`, which contracts the second axis of both, so nothing is transposed): the
+//! squared input rows `[n_in, R]` with the one-hot routing `[n_expert, R]` (rows of an identity
+//! matrix gathered by the selected ids), R = slots × tokens; the counts are the routing's with
+//! a row of ones, and a dense input's sums the squares' with the ones. The result is added in
+//! place into the weight's accumulator, a tensor of ours on that device. Few kernels per input
+//! (3 dense, 6-7 MUL_MAT_ID: on a GPU each is a launch, several hundred per ubatch), no copy
+//! of a tensor that is already contiguous. With `batching` on (the observer's reads at
 //! the end of the graph) the reductions are queued and computed as one graph per device by
 //! [`DeviceReducer::commit`], one launch and one wait for all of them.
 //! [`DeviceReducer::drain`] copies the accumulators back and zeroes them. Sums in f32 in the
@@ -26,6 +30,9 @@ struct Device {
     galloc: sys::ggml_gallocr_t,
     /// n_expert → (context, buffer, identity tensor `[n, n]` f32)
     identities: Vec<(i64, *mut sys::ggml_context, sys::ggml_backend_buffer_t, *mut sys::ggml_tensor)>,
+    /// length → (context, buffer, `[length]` f32 ones), the longest last; a shorter one stays
+    /// allocated (a queued graph may view it)
+    ones: Vec<(i64, *mut sys::ggml_context, sys::ggml_backend_buffer_t, *mut sys::ggml_tensor)>,
     /// the context of the last graph computed here, reset and reused by the next: the same
     /// reductions then build the same nodes at the same addresses every ubatch, which is what
     /// lets a backend that records graphs (CUDA graphs, keyed by the first node's address and
@@ -73,6 +80,9 @@ pub struct DeviceReducer {
     pub batching: bool,
     /// graphs computed on devices
     pub graphs_run: u64,
+    /// their nodes that compute something (views, reshapes and transposes left out): on a GPU
+    /// each is at least one kernel launch
+    pub ops_run: u64,
     /// bytes copied back to the host (the drained accumulators)
     pub bytes_out: u64,
     /// the address of the last computed graph's first node (what CUDA keys its graphs by)
@@ -90,7 +100,7 @@ struct Batch {
 
 /// Reductions per graph, and a bound on the tensors one creates.
 const BATCH_REDUCTIONS: usize = 512;
-const TENSORS_PER_REDUCTION: usize = 40;
+const TENSORS_PER_REDUCTION: usize = 32;
 
 /// One weight's per-expert (or single) sums and row counts, as drained.
 pub struct Reduced {
@@ -115,11 +125,11 @@ impl DeviceReducer {
             let n_in = (*x).ne[0];
             let rows = sys::ggml_nrows(x);
             let a = self.accumulator(wname, d, n_in, 0)?;
+            let ones = self.ones(d, rows)?;
             let ctx = self.batch_for(d, a)?;
-            let xl = leaf(ctx, x);
-            let sq = sys::ggml_sqr(ctx, sys::ggml_reshape_2d(ctx, sys::ggml_cont(ctx, xl), n_in, rows));
-            // [rows, n_in] → Σ over rows per column
-            let sums = sys::ggml_sum_rows(ctx, sys::ggml_cont(ctx, sys::ggml_transpose(ctx, sq)));
+            let sq = sys::ggml_sqr(ctx, sys::ggml_reshape_2d(ctx, contiguous(ctx, leaf(ctx, x)), n_in, rows));
+            // Σ over rows per column: [n_in, rows] with ones [1, rows] → [n_in, 1]
+            let sums = sys::ggml_out_prod(ctx, sq, ones_view(ctx, ones, rows, 1));
             self.accumulators[a].rows += rows as f64;
             self.add(a, ctx, sums, None)
         }
@@ -143,27 +153,26 @@ impl DeviceReducer {
             }
             let identity = self.identity(d, n_expert)?;
             let acc = self.accumulator(wname, d, n_in, n_expert)?;
+            let ones = self.ones(d, k * t)?;
             let ctx = self.batch_for(d, acc)?;
-            let (xl, il) = (leaf(ctx, x), leaf(ctx, ids));
-            let ids_flat = sys::ggml_reshape_1d(ctx, sys::ggml_cont(ctx, il), k * t);
+            let ids_flat = sys::ggml_reshape_1d(ctx, contiguous(ctx, leaf(ctx, ids)), k * t);
             // one-hot rows of the routing: [n_expert, k·T]
             let onehot = sys::ggml_get_rows(ctx, identity, ids_flat);
-            let sq = sys::ggml_sqr(ctx, sys::ggml_cont(ctx, xl));
+            let sq = sys::ggml_sqr(ctx, contiguous(ctx, leaf(ctx, x)));
             let (a, b) = if n11 == 1 {
                 // one input row per token, used by each of its k slots: weight it by the number
-                // of its slots that chose each expert
+                // of its slots that chose each expert, Σ over the slots [n_expert, k, T] with
+                // ones [1, k, T] → [n_expert, 1, T]
                 let per_tok = sys::ggml_reshape_3d(ctx, onehot, n_expert, k, t);
-                let picks = sys::ggml_sum_rows(ctx, sys::ggml_cont(ctx, sys::ggml_permute(ctx, per_tok, 1, 0, 2, 3)));
-                let picks = sys::ggml_reshape_2d(ctx, picks, n_expert, t);
-                (sys::ggml_reshape_2d(ctx, sq, n_in, t), picks)
+                let picks = sys::ggml_out_prod(ctx, per_tok, ones_view(ctx, ones, k, t));
+                (sys::ggml_reshape_2d(ctx, sq, n_in, t), sys::ggml_reshape_2d(ctx, picks, n_expert, t))
             } else {
                 (sys::ggml_reshape_2d(ctx, sq, n_in, k * t), onehot)
             };
-            // sums[e][j] = Σ_r a[j, r]·b[e, r]: a matmul over the row axis
-            let at = sys::ggml_cont(ctx, sys::ggml_transpose(ctx, a));
-            let bt = sys::ggml_cont(ctx, sys::ggml_transpose(ctx, b));
-            let sums = sys::ggml_mul_mat(ctx, at, bt);
-            let counts = sys::ggml_sum_rows(ctx, sys::ggml_cont(ctx, sys::ggml_transpose(ctx, onehot)));
+            // sums[e][j] = Σ_r a[j, r]·b[e, r]: [n_in, n_expert]
+            let sums = sys::ggml_out_prod(ctx, a, b);
+            // counts[e] = Σ_r onehot[e, r]: [n_expert, 1]
+            let counts = sys::ggml_out_prod(ctx, onehot, ones_view(ctx, ones, k * t, 1));
             self.add(acc, ctx, sums, Some(counts))
         }
     }
@@ -253,10 +262,10 @@ impl DeviceReducer {
         unsafe {
             let mut outs = Vec::with_capacity(2);
             let s = leaf(ctx, acc.sums);
-            outs.push(sys::ggml_add_inplace(ctx, s, sys::ggml_reshape(ctx, sys::ggml_cont(ctx, sums), s)));
+            outs.push(sys::ggml_add_inplace(ctx, s, sys::ggml_reshape(ctx, contiguous(ctx, sums), s)));
             if let (Some(c), Some(acc_c)) = (counts, acc.counts) {
                 let cl = leaf(ctx, acc_c);
-                outs.push(sys::ggml_add_inplace(ctx, cl, sys::ggml_reshape(ctx, sys::ggml_cont(ctx, c), cl)));
+                outs.push(sys::ggml_add_inplace(ctx, cl, sys::ggml_reshape(ctx, contiguous(ctx, c), cl)));
             }
             let b = self.batches.iter_mut().find(|b| b.device == d).expect("batch_for made it");
             b.outs.extend(outs);
@@ -343,7 +352,7 @@ impl DeviceReducer {
                 bail!("could not start a backend on the tensor's device");
             }
             let galloc = sys::ggml_gallocr_new(sys::ggml_backend_get_default_buffer_type(backend));
-            self.devices.push(Device { dev, backend, galloc, identities: Vec::new(), spare: None });
+            self.devices.push(Device { dev, backend, galloc, identities: Vec::new(), ones: Vec::new(), spare: None });
             Ok(self.devices.len() - 1)
         }
     }
@@ -372,6 +381,30 @@ impl DeviceReducer {
         }
     }
 
+    /// At least `n` ones on device `d` (`[len]` f32, len ≥ n), allocated and filled once per
+    /// length that outgrows the last.
+    fn ones(&mut self, d: usize, n: i64) -> Result<*mut sys::ggml_tensor> {
+        let dev = &mut self.devices[d];
+        if let Some(&(_, _, _, t)) = dev.ones.last().filter(|e| e.0 >= n) {
+            return Ok(t);
+        }
+        let len = (n.max(1) as u64).next_power_of_two() as i64;
+        // SAFETY: a context of one tensor, allocated on the device and filled once.
+        unsafe {
+            let ctx = sys::ggml_init(sys::ggml_init_params { mem_size: sys::ggml_tensor_overhead() * 2, mem_buffer: std::ptr::null_mut(), no_alloc: true });
+            let t = sys::ggml_new_tensor_1d(ctx, sys::GGML_TYPE_F32, len);
+            let buf = sys::ggml_backend_alloc_ctx_tensors(ctx, dev.backend);
+            if buf.is_null() {
+                sys::ggml_free(ctx);
+                bail!("could not allocate {len} ones on the device");
+            }
+            let v = vec![1.0f32; len as usize];
+            sys::ggml_backend_tensor_set(t, v.as_ptr().cast(), 0, v.len() * 4);
+            dev.ones.push((len, ctx, buf, t));
+            Ok(t)
+        }
+    }
+
     /// Allocates and computes `g` on device `d` (synchronously).
     unsafe fn run(&mut self, d: usize, g: &Graph, outs: &[*mut sys::ggml_tensor]) -> Result<()> {
         let dev = &self.devices[d];
@@ -381,6 +414,11 @@ impl DeviceReducer {
                 sys::ggml_build_forward_expand(gf, o);
             }
             self.first_node = sys::ggml_graph_node(gf, 0) as usize;
+            for i in 0..sys::ggml_graph_n_nodes(gf) {
+                let op = (*sys::ggml_graph_node(gf, i)).op;
+                let view = [sys::GGML_OP_NONE, sys::GGML_OP_RESHAPE, sys::GGML_OP_VIEW, sys::GGML_OP_PERMUTE, sys::GGML_OP_TRANSPOSE].contains(&op);
+                self.ops_run += u64::from(!view);
+            }
             if !sys::ggml_gallocr_alloc_graph(dev.galloc, gf) {
                 bail!("could not allocate the reduction on the device");
             }
@@ -402,7 +440,7 @@ impl Drop for DeviceReducer {
                 sys::ggml_free(a.ctx);
             }
             for d in self.devices.drain(..) {
-                for (_, ctx, buf, _) in d.identities {
+                for (_, ctx, buf, _) in d.identities.into_iter().chain(d.ones) {
                     sys::ggml_backend_buffer_free(buf);
                     sys::ggml_free(ctx);
                 }
@@ -456,6 +494,23 @@ unsafe fn leaf(ctx: *mut sys::ggml_context, x: *mut sys::ggml_tensor) -> *mut sy
     }
 }
 
+/// `x` itself where it is contiguous, else a contiguous copy (a copy is a kernel on a GPU).
+unsafe fn contiguous(ctx: *mut sys::ggml_context, x: *mut sys::ggml_tensor) -> *mut sys::ggml_tensor {
+    unsafe {
+        if sys::ggml_is_contiguous(x) {
+            x
+        } else {
+            sys::ggml_cont(ctx, x)
+        }
+    }
+}
+
+/// `[1, a, b]` of the ones (`a·b` of them, contiguous): the second operand of an outer product
+/// that sums over the first operand's rows.
+unsafe fn ones_view(ctx: *mut sys::ggml_context, ones: *mut sys::ggml_tensor, a: i64, b: i64) -> *mut sys::ggml_tensor {
+    unsafe { sys::ggml_view_3d(ctx, ones, 1, a, b, 4, 4 * a as usize, 0) }
+}
+
 impl Drop for Graph {
     fn drop(&mut self) {
         // SAFETY: created in new().
@@ -494,6 +549,79 @@ mod tests {
             let out = r.drain().unwrap();
             assert_eq!(out[0].sums, vec![6.0, 12.75, 39.0]);
             assert_eq!(out[0].counts, vec![6.0]);
+            drop(r);
+            sys::ggml_backend_buffer_free(buf);
+            sys::ggml_free(ctx);
+        }
+    }
+
+    /// Per-expert sums and counts of MUL_MAT_ID inputs, both kinds (one row per slot, and one
+    /// row per token shared by its slots), against the host's, over two ubatches: values are
+    /// multiples of 1/2, so every square and sum is exact in f32 and the comparison is exact.
+    /// The ids are a strided view (as the argsort view is without patch 0003).
+    #[test]
+    fn expert_sums_and_counts_equal_the_hosts() {
+        let (n_in, k, t, n_expert, stride) = (5i64, 3i64, 4i64, 6i64, 8i64);
+        // token t's slots: skewed, expert 5 never chosen
+        let ids: Vec<i32> = (0..t).flat_map(|tok| [0, (1 + tok % 2) as i32, (2 + tok % 3) as i32]).collect();
+        // SAFETY: CPU tensors of ours, live for the reducer's use of them.
+        unsafe {
+            let ctx = sys::ggml_init(sys::ggml_init_params { mem_size: sys::ggml_tensor_overhead() * 8, mem_buffer: std::ptr::null_mut(), no_alloc: true });
+            let per_slot = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F32, n_in, k, t);
+            let per_tok = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F32, n_in, 1, t);
+            let wide = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_I32, stride, t);
+            let buf = sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx, sys::ggml_backend_cpu_buffer_type());
+            assert!(!buf.is_null());
+            let val = |i: i64| ((i * 7) % 11 - 5) as f32 * 0.5;
+            let xs: Vec<f32> = (0..n_in * k * t).map(val).collect();
+            let xt: Vec<f32> = (0..n_in * t).map(|i| val(i + 3)).collect();
+            sys::ggml_backend_tensor_set(per_slot, xs.as_ptr().cast(), 0, xs.len() * 4);
+            sys::ggml_backend_tensor_set(per_tok, xt.as_ptr().cast(), 0, xt.len() * 4);
+            let mut w = vec![-1i32; (stride * t) as usize];
+            for tok in 0..t as usize {
+                w[tok * stride as usize..][..k as usize].copy_from_slice(&ids[tok * k as usize..][..k as usize]);
+            }
+            sys::ggml_backend_tensor_set(wide, w.as_ptr().cast(), 0, w.len() * 4);
+            // the first k of each row of `wide`: [k, T], rows `stride` apart
+            let sel = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_I32, k, t);
+            (*sel).nb[1] = (*wide).nb[1];
+            (*sel).nb[2] = (*wide).nb[2];
+            (*sel).nb[3] = (*wide).nb[3];
+            (*sel).buffer = (*wide).buffer;
+            (*sel).data = (*wide).data;
+            assert!(!sys::ggml_is_contiguous(sel));
+            let mut r = DeviceReducer::default();
+            r.batching = true;
+            for _ in 0..2 {
+                r.by_expert("down", Node::from_raw(per_slot).unwrap(), Node::from_raw(sel).unwrap(), n_expert).unwrap();
+                r.by_expert("up", Node::from_raw(per_tok).unwrap(), Node::from_raw(sel).unwrap(), n_expert).unwrap();
+                r.commit().unwrap();
+            }
+            let out = r.drain().unwrap();
+            // the host's sums, twice (two ubatches)
+            let (mut down, mut up, mut counts) = (vec![0f32; (n_in * n_expert) as usize], vec![0f32; (n_in * n_expert) as usize], vec![0f32; n_expert as usize]);
+            for _ in 0..2 {
+                for tok in 0..t {
+                    for s in 0..k {
+                        let e = ids[(tok * k + s) as usize] as i64;
+                        counts[e as usize] += 1.0;
+                        for j in 0..n_in {
+                            let a = xs[(j + n_in * (s + k * tok)) as usize];
+                            let b = xt[(j + n_in * tok) as usize];
+                            down[(e * n_in + j) as usize] += a * a;
+                            up[(e * n_in + j) as usize] += b * b;
+                        }
+                    }
+                }
+            }
+            assert_eq!(counts[5], 0.0);
+            let names: Vec<&str> = out.iter().map(|o| o.name.as_str()).collect();
+            assert_eq!(names, ["down", "up"]);
+            assert_eq!((out[0].n_in, out[0].n_as), (n_in, n_expert));
+            assert_eq!(out[0].sums, down);
+            assert_eq!(out[1].sums, up);
+            assert_eq!(out[0].counts, counts);
+            assert_eq!(out[1].counts, counts);
             drop(r);
             sys::ggml_backend_buffer_free(buf);
             sys::ggml_free(ctx);
