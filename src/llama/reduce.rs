@@ -96,6 +96,10 @@ struct Batch {
     outs: Vec<*mut sys::ggml_tensor>,
     /// accumulators written: each at most once per graph
     accs: Vec<usize>,
+    /// the routing's one-hot rows and counts built in this graph, by the expert ids they come
+    /// from (data, k, T, n_expert): the experts' shared input and the down projection's of a
+    /// layer are routed by one tensor
+    routings: Vec<((usize, i64, i64, i64), *mut sys::ggml_tensor, *mut sys::ggml_tensor)>,
 }
 
 /// Reductions per graph, and a bound on the tensors one creates.
@@ -155,9 +159,20 @@ impl DeviceReducer {
             let acc = self.accumulator(wname, d, n_in, n_expert)?;
             let ones = self.ones(d, k * t)?;
             let ctx = self.batch_for(d, acc)?;
-            let ids_flat = sys::ggml_reshape_1d(ctx, contiguous(ctx, leaf(ctx, ids)), k * t);
-            // one-hot rows of the routing: [n_expert, k·T]
-            let onehot = sys::ggml_get_rows(ctx, identity, ids_flat);
+            let key = ((*ids).data as usize, k, t, n_expert);
+            let b = self.batches.iter_mut().find(|b| b.device == d).expect("batch_for made it");
+            let (onehot, counts) = match b.routings.iter().find(|r| r.0 == key) {
+                Some(&(_, onehot, counts)) => (onehot, counts),
+                None => {
+                    let ids_flat = sys::ggml_reshape_1d(ctx, contiguous(ctx, leaf(ctx, ids)), k * t);
+                    // one-hot rows of the routing: [n_expert, k·T]
+                    let onehot = sys::ggml_get_rows(ctx, identity, ids_flat);
+                    // counts[e] = Σ_r onehot[e, r]: [n_expert, 1]
+                    let counts = sys::ggml_out_prod(ctx, onehot, ones_view(ctx, ones, k * t, 1));
+                    b.routings.push((key, onehot, counts));
+                    (onehot, counts)
+                }
+            };
             let sq = sys::ggml_sqr(ctx, contiguous(ctx, leaf(ctx, x)));
             let (a, b) = if n11 == 1 {
                 // one input row per token, used by each of its k slots: weight it by the number
@@ -171,8 +186,6 @@ impl DeviceReducer {
             };
             // sums[e][j] = Σ_r a[j, r]·b[e, r]: [n_in, n_expert]
             let sums = sys::ggml_out_prod(ctx, a, b);
-            // counts[e] = Σ_r onehot[e, r]: [n_expert, 1]
-            let counts = sys::ggml_out_prod(ctx, onehot, ones_view(ctx, ones, k * t, 1));
             self.add(acc, ctx, sums, Some(counts))
         }
     }
@@ -294,7 +307,7 @@ impl DeviceReducer {
             _ => Graph::new(capacity)?,
         };
         let ctx = g.ctx;
-        self.batches.push(Batch { device: d, g, outs: Vec::new(), accs: Vec::new() });
+        self.batches.push(Batch { device: d, g, outs: Vec::new(), accs: Vec::new(), routings: Vec::new() });
         Ok(ctx)
     }
 
