@@ -130,17 +130,6 @@ pub fn candidates_decide(p: &[f32]) -> bool {
     p.len() >= 2 && lo != second
 }
 
-impl LayerRouting {
-    /// The router probability of token `tok`'s `s`-th selected expert.
-    fn sel_p(&self, tok: usize, s: usize, k: usize, n_expert: usize) -> f32 {
-        if self.on_device {
-            self.sel_prob[tok * k + s]
-        } else {
-            self.probs[tok * n_expert + self.sel_id[tok * k + s] as usize]
-        }
-    }
-}
-
 /// Orders a token's `n + 1` most probable experts, as ggml's top-k returned them (in no
 /// particular order), into its top `n` as [`top_candidates`] would choose them from the whole
 /// row: probability descending (`total_cmp`), ties to the lower id. Returns false when the
@@ -185,6 +174,8 @@ pub struct ReapCollector {
     pub routing: Vec<LayerRouting>,
     /// per-domain sums (`--domains`); None without
     pub domains: Option<DomainSplit>,
+    /// the selected experts' router probabilities picked out of whole rows, reused
+    sel_prob_scratch: Vec<f32>,
 }
 
 fn check_slot_stats(t: &TensorInfo, k: usize) -> Result<(), String> {
@@ -467,6 +458,11 @@ impl ReapCollector {
             ));
         }
         r.sel_weight.clear();
+        for tok in 0..n_tokens as i64 {
+            for s in 0..k as i64 {
+                r.sel_weight.push(read_f32(g_data, g.offset([0, s, tok, 0])));
+            }
+        }
         let sums = &mut self.layers[slot];
         let n_expert = sums.n_expert;
         if slot == 0 {
@@ -475,49 +471,68 @@ impl ReapCollector {
                 d.count_tokens(n_tokens)?;
             }
         }
+        // the router probability of each selected expert, [T][k]: read on the device, or
+        // picked out of the whole rows
+        let probs: &[f32] = if r.on_device {
+            &r.sel_prob
+        } else {
+            self.sel_prob_scratch.clear();
+            self.sel_prob_scratch.extend(r.sel_id.iter().enumerate().map(|(i, &e)| r.probs[(i / k) * n_expert + e as usize]));
+            &self.sel_prob_scratch
+        };
         let mut reference = sums.reference.take().unwrap_or_else(|| ReferenceSums::new(n_expert));
+        let shape = (sums.layer, n_expert);
+        // the arrays as slices of one length, so that one check of an id covers every index
+        let (count, prob_sum, reap_l2_sum) = (&mut sums.count[..n_expert], &mut sums.prob_sum[..n_expert], &mut sums.reap_l2_sum[..n_expert]);
+        let (reap_l2_sq_sum, ean_sum) = (&mut sums.reap_l2_sq_sum[..n_expert], &mut sums.ean_sum[..n_expert]);
+        let (router_prob_sum, max_l2) = (&mut sums.router_prob_sum[..n_expert], &mut sums.max_l2[..n_expert]);
+        let (sm_l2, sm_l2_sq, max_activation) =
+            (&mut reference.reap_softmax_l2_sum[..n_expert], &mut reference.reap_softmax_l2_sq_sum[..n_expert], &mut reference.max_activation[..n_expert]);
         let mut gates = vec![0f64; k];
+        let mut drops = 0;
         for tok in 0..n_tokens {
+            let at = tok * k..(tok + 1) * k;
+            let (ids, g, p, norms, maxes) = (&r.sel_id[at.clone()], &r.sel_weight[at.clone()], &probs[at.clone()], &r.norms[at.clone()], &r.maxes[at]);
             let mut finite = true;
             for s in 0..k {
-                let gv = read_f32(g_data, g.offset([0, s as i64, tok as i64, 0]));
-                r.sel_weight.push(gv);
-                gates[s] = gv as f64;
-                let p = r.sel_p(tok, s, k, n_expert);
-                finite &= gates[s].is_finite() && p.is_finite() && r.norms[tok * k + s].is_finite();
+                gates[s] = g[s] as f64;
+                finite &= gates[s].is_finite() && p[s].is_finite() && norms[s].is_finite();
             }
             if !finite {
-                self.nonfinite_drops += 1;
+                drops += 1;
                 continue;
             }
             sums.tokens += 1;
             for s in 0..k {
-                let e = r.sel_id[tok * k + s] as usize;
-                let (gv, n) = (gates[s], r.norms[tok * k + s]);
-                let p = r.sel_p(tok, s, k, n_expert) as f64;
+                let e = ids[s] as usize;
+                if e >= n_expert {
+                    // ids were checked against n_expert when read
+                    unreachable!("expert id {e} of {n_expert}");
+                }
+                let (gv, n, p) = (gates[s], norms[s], p[s] as f64);
                 let reap = gv * n;
-                sums.count[e] += 1;
-                sums.prob_sum[e] += gv;
-                sums.reap_l2_sum[e] += reap;
-                sums.reap_l2_sq_sum[e] += reap * reap;
-                sums.ean_sum[e] += n;
-                sums.router_prob_sum[e] += p;
-                if n > sums.max_l2[e] {
-                    sums.max_l2[e] = n;
+                count[e] += 1;
+                prob_sum[e] += gv;
+                reap_l2_sum[e] += reap;
+                reap_l2_sq_sum[e] += reap * reap;
+                ean_sum[e] += n;
+                router_prob_sum[e] += p;
+                if n > max_l2[e] {
+                    max_l2[e] = n;
                 }
                 let reap_p = p * n;
-                reference.reap_softmax_l2_sum[e] += reap_p;
-                reference.reap_softmax_l2_sq_sum[e] += reap_p * reap_p;
-                let m = r.maxes[tok * k + s] as f64;
-                let best = &mut reference.max_activation[e];
-                if best.map_or(true, |b| m > b) {
-                    *best = Some(m);
+                sm_l2[e] += reap_p;
+                sm_l2_sq[e] += reap_p * reap_p;
+                let m = maxes[s] as f64;
+                if max_activation[e].map_or(true, |b| m > b) {
+                    max_activation[e] = Some(m);
                 }
             }
             if let Some(d) = self.domains.as_mut() {
-                d.add(slot, sums, tok, &r.sel_id[tok * k..(tok + 1) * k], &gates, &r.norms[tok * k..(tok + 1) * k]);
+                d.add(slot, shape, tok, ids, &gates, norms);
             }
         }
+        self.nonfinite_drops += drops;
         sums.reference = Some(reference);
         Ok(())
     }
@@ -558,9 +573,9 @@ impl DomainSplit {
         Ok(())
     }
 
-    /// Adds token `tok`'s routed experts (`ids`, gates, norms) of layer `slot` (whose shape
-    /// `sums` gives) to its domain.
-    fn add(&mut self, slot: usize, sums: &LayerSums, tok: usize, ids: &[u16], gates: &[f64], norms: &[f64]) {
+    /// Adds token `tok`'s routed experts (`ids`, gates, norms) of layer `slot` (block `layer`,
+    /// `n_expert` experts) to its domain.
+    fn add(&mut self, slot: usize, (layer, n_expert): (u32, usize), tok: usize, ids: &[u16], gates: &[f64], norms: &[f64]) {
         let d = self.rows[tok] as usize;
         let layers = &mut self.layers[d];
         while layers.len() <= slot {
@@ -568,7 +583,7 @@ impl DomainSplit {
         }
         let l = &mut layers[slot];
         if l.count.is_empty() {
-            *l = DomainLayer { layer: sums.layer, count: vec![0; sums.n_expert], prob_sum: vec![0.0; sums.n_expert], reap_l2_sum: vec![0.0; sums.n_expert] };
+            *l = DomainLayer { layer, count: vec![0; n_expert], prob_sum: vec![0.0; n_expert], reap_l2_sum: vec![0.0; n_expert] };
         }
         for ((&e, &g), &n) in ids.iter().zip(gates).zip(norms) {
             let e = e as usize;
