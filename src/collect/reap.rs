@@ -189,12 +189,24 @@ fn check_slot_stats(t: &TensorInfo, k: usize) -> Result<(), String> {
 fn read_slots(t: &TensorInfo, k: usize, data: &[u8], out: &mut Vec<f32>) -> Result<(), String> {
     check_slot_stats(t, k)?;
     out.clear();
+    if let Some(all) = dense_slots(t, k) {
+        out.extend_from_slice(f32s(data, 0, all));
+        return Ok(());
+    }
     for tok in 0..t.ne[2] {
         for s in 0..k as i64 {
             out.push(read_f32(data, t.offset([0, s, tok, 0])));
         }
     }
     Ok(())
+}
+
+/// The values of a `[1, k, T]` (or `[k, T]`) tensor when they lie densely in token-major order,
+/// as the graph makes them: one copy instead of one strided read each.
+fn dense_slots(t: &TensorInfo, k: usize) -> Option<usize> {
+    let (es, n) = (t.nb[0], (k as i64 * t.ne[2].max(1) * t.ne[3].max(1)) as usize);
+    let slots_dense = if t.ne[0] == 1 { t.nb[1] == es && t.nb[2] == es * k } else { t.nb[0] == 4 && t.nb[1] == 4 * k };
+    (es == 4 && slots_dense && t.ne[3] == 1).then_some(if t.ne[0] == 1 { n } else { k * t.ne[1] as usize })
 }
 
 /// The MoE layer index from a node name such as `ffn_moe_topk-12`.
@@ -368,6 +380,15 @@ impl ReapCollector {
         }
         let r = &mut self.routing[slot];
         r.sel_id.clear();
+        if let Some(all) = dense_slots(t, k).filter(|_| t.ne[2] == 1) {
+            // patch 0003's contiguous ids: one pass, checked after
+            let ids = i32s(data, 0, all);
+            r.sel_id.extend(ids.iter().map(|&id| id as u16));
+            if let Some(&bad) = ids.iter().find(|&&id| id < 0 || id as usize >= n_expert) {
+                return Err(format!("{}: expert id {bad} out of range 0..{n_expert}", t.name));
+            }
+            return Ok(());
+        }
         for tok in 0..t.ne[1] {
             for s in 0..k as i64 {
                 let id = t.read_i32(data, s, tok);
@@ -419,6 +440,10 @@ impl ReapCollector {
         let r = &mut self.routing[slot];
         r.norms.clear();
         r.norms_from = from.to_string();
+        if let Some(all) = dense_slots(t, k) {
+            r.norms.extend(f32s(data, 0, all).iter().map(|&x| x as f64));
+            return Ok(());
+        }
         for tok in 0..t.ne[2] {
             for s in 0..k as i64 {
                 r.norms.push(read_f32(data, t.offset([0, s, tok, 0])) as f64);
