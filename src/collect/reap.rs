@@ -665,6 +665,48 @@ mod tests {
     }
 
     /// Two tokens, four experts, top-2; ids read from a strided view whose rows are 4 wide.
+    /// Slot statistics and ids read in one copy where they lie densely, one by one through the
+    /// strides otherwise: the same values in the same order.
+    #[test]
+    fn dense_and_strided_slots_read_alike() {
+        let (k, t) = (3usize, 4usize);
+        let vals: Vec<f32> = (0..k * t).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let dense = info("m", [1, k as i64, t as i64, 1], [4, 4, 4 * k, 4 * k * t], sys::GGML_TYPE_F32);
+        assert_eq!(dense_slots(&dense, k), Some(k * t));
+        // the same values with a gap of one float after each token's slots
+        let mut gapped = Vec::new();
+        for tok in 0..t {
+            gapped.extend_from_slice(&vals[tok * k..(tok + 1) * k]);
+            gapped.push(f32::NAN);
+        }
+        let strided = info("m", [1, k as i64, t as i64, 1], [4, 4, 4 * (k + 1), 4 * (k + 1) * t], sys::GGML_TYPE_F32);
+        assert_eq!(dense_slots(&strided, k), None);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        read_slots(&dense, k, &bytes_f32(&vals), &mut a).unwrap();
+        read_slots(&strided, k, &bytes_f32(&gapped), &mut b).unwrap();
+        assert_eq!(a, vals);
+        assert_eq!(b, vals);
+        // ids [k, T]: dense, and as a view of wider rows (the argsort's)
+        let ids: Vec<i32> = (0..(k * t) as i32).map(|i| i % 5).collect();
+        let mut wide = Vec::new();
+        for tok in 0..t {
+            wide.extend_from_slice(&ids[tok * k..(tok + 1) * k]);
+            wide.extend_from_slice(&[7, 7]);
+        }
+        let ib = |v: &[i32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+        let mut c = ReapCollector::new();
+        let s = c.slot_for(0, 8, k).unwrap();
+        c.on_topk(s, &info("ffn_moe_topk-0", [k as i64, t as i64, 1, 1], [4, 4 * k, 4 * k * t, 4 * k * t], sys::GGML_TYPE_I32), &ib(&ids)).unwrap();
+        let from_dense = c.routing[s].sel_id.clone();
+        c.on_topk(s, &info("ffn_moe_topk-0", [k as i64, t as i64, 1, 1], [4, 4 * (k + 2), 4 * (k + 2) * t, 4 * (k + 2) * t], sys::GGML_TYPE_I32), &ib(&wide)).unwrap();
+        assert_eq!(from_dense, c.routing[s].sel_id);
+        assert_eq!(from_dense, ids.iter().map(|&i| i as u16).collect::<Vec<_>>());
+        // an id out of range is refused on either path
+        let mut bad = ids.clone();
+        bad[5] = 8;
+        assert!(c.on_topk(s, &info("ffn_moe_topk-0", [k as i64, t as i64, 1, 1], [4, 4 * k, 4 * k * t, 4 * k * t], sys::GGML_TYPE_I32), &ib(&bad)).is_err());
+    }
+
     #[test]
     fn sums_match_a_hand_computation() {
         let mut c = ReapCollector::new();
