@@ -13,8 +13,10 @@
 //! matrix gathered by the selected ids), R = slots × tokens; the counts are the routing's with
 //! a row of ones, and a dense input's sums the squares' with the ones. The result is added in
 //! place into the weight's accumulator, a tensor of ours on that device. Few kernels per input
-//! (3 dense, 6-7 MUL_MAT_ID: on a GPU each is a launch, several hundred per ubatch), no copy
-//! of a tensor that is already contiguous. With `batching` on (the observer's reads at
+//! (on a GPU each is a launch, several hundred per ubatch): 3 per dense input, 7 for a MoE
+//! layer's shared expert input with the layer's routing (one-hot rows and counts, built once
+//! per graph for every input routed by the same ids), 4 for its down projection's input; no
+//! copy of a tensor that is already contiguous. With `batching` on (the observer's reads at
 //! the end of the graph) the reductions are queued and computed as one graph per device by
 //! [`DeviceReducer::commit`], one launch and one wait for all of them.
 //! [`DeviceReducer::drain`] copies the accumulators back and zeroes them. Sums in f32 in the
