@@ -2,6 +2,7 @@
 
 pub mod check;
 pub mod export;
+pub mod imatrix_diff;
 pub mod prune;
 pub mod replay;
 pub mod reproduce;

@@ -74,6 +74,8 @@ enum Command {
     Eval(crate::eval::EvalArgs),
     /// Write a saliency JSON in another tool's terms (CerebrasResearch/reap's observer state).
     Export(crate::analyze::export::ExportArgs),
+    /// How far two imatrix files are apart: counts, and the relative difference of every mean (Σx²/count).
+    ImatrixDiff(crate::analyze::imatrix_diff::ImatrixDiffArgs),
     /// Generate from prompts and write the routing trace of prefill and decode (see docs/formats.md).
     TraceDecode(crate::decode::TraceDecodeArgs),
 }
@@ -105,6 +107,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         Command::Reproduce(args) => crate::analyze::reproduce::run(&args),
         Command::Eval(args) => crate::eval::run(&args),
         Command::Export(args) => crate::analyze::export::run(&args),
+        Command::ImatrixDiff(args) => crate::analyze::imatrix_diff::run(&args),
         Command::Corpus(args) => crate::corpus::run(&args),
         Command::TraceDecode(args) => crate::decode::run(&args),
     }
