@@ -243,6 +243,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     }
     if plan.args.imatrix_on_device {
         observer.reducer = Some(crate::llama::reduce::DeviceReducer::default());
+        observer.overlap = crate::llama::expert_stats::overlap_wanted(defer);
     }
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
     if plan.n_kv > model.n_ctx_train() {
@@ -325,7 +326,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         ctx.observer().deferred_reads
     );
     if let Some(r) = &ctx.observer().reducer {
-        eprintln!("collection: --imatrix-on-device copied {} bytes of per-chunk sums; {} reduction graphs run ({} operations)", r.bytes_out, r.graphs_run, r.ops_run);
+        let o = ctx.observer();
+        let overlapped = if o.overlapped_reads > 0 { format!(", {} of them while REAP's reads were copied and summed", o.overlapped_reads) } else { String::new() };
+        eprintln!("collection: --imatrix-on-device copied {} bytes of per-chunk sums; {} reduction graphs run ({} operations){overlapped}", r.bytes_out, r.graphs_run, r.ops_run);
     }
     let copied = crate::llama::tensor::DEVICE_TO_HOST_BYTES.load(std::sync::atomic::Ordering::Relaxed);
     if copied > 0 {

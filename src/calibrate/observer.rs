@@ -87,6 +87,12 @@ pub struct CalibrationObserver {
     /// with `defer`: the end-of-graph reads copied all at once, one wait per device
     /// (`REAP_PREFETCH=0`: one copy and wait per tensor)
     pub prefetch: Option<crate::llama::prefetch::Prefetcher>,
+    /// with `reducer` and `defer`: where every imatrix input of a graph's end is reduced on its
+    /// device, the reductions run there while the host copies and sums REAP's reads
+    /// (`REAP_OVERLAP=0`: one after the other)
+    pub overlap: bool,
+    /// graph ends read that way
+    pub overlapped_reads: u64,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -176,6 +182,8 @@ impl CalibrationObserver {
             probs_nodes: Vec::new(),
             candidate_rows_read: 0,
             prefetch: None,
+            overlap: false,
+            overlapped_reads: 0,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -581,6 +589,9 @@ impl CalibrationObserver {
     /// device before this returns (while the tensors they read are still the graph's).
     fn read_deferred(&mut self) -> bool {
         let nodes = std::mem::take(&mut self.deferred);
+        if self.overlap_fits(&nodes) {
+            return self.read_deferred_overlapped(nodes);
+        }
         if let Some(mut pf) = self.prefetch.take() {
             // every copy of the batch at once, one wait per device
             // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
@@ -624,6 +635,107 @@ impl CalibrationObserver {
 }
 
 impl CalibrationObserver {
+    /// Whether the end of a graph can be read with the reductions running meanwhile: every
+    /// matmul input the imatrix wants there is off-host (reduced on its device), so nothing of
+    /// the imatrix is collected on the host, where a checkpoint taken mid-graph would carry
+    /// REAP's sums up to that node.
+    fn overlap_fits(&self, nodes: &[*mut sys::ggml_tensor]) -> bool {
+        if !self.overlap || self.reducer.is_none() {
+            return false;
+        }
+        nodes.iter().all(|&p| {
+            // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
+            let Some(node) = (unsafe { Node::from_raw(p) }) else { return true };
+            let op = node.info().op;
+            if !self.collect_imatrix || (op != sys::GGML_OP_MUL_MAT && op != sys::GGML_OP_MUL_MAT_ID) {
+                return true;
+            }
+            match (node.src(0), node.src(1)) {
+                (Some(w), Some(x)) => !imatrix::wants(op, imatrix::filter_tensor_name(w.name()), &x.info(), self.imatrix.cfg.process_output) || !x.is_host(),
+                _ => true,
+            }
+        })
+    }
+
+    /// [`Self::read_deferred`] where [`Self::overlap_fits`]: the imatrix's part of every node
+    /// first, in graph order (the same reductions, queued in the same order, with the same
+    /// shared inputs), launched on the devices; then the copies REAP reads and REAP's part of
+    /// each node in graph order, while they compute; then the wait. The collectors end in the
+    /// state the node-by-node order gives: REAP and the reductions touch nothing of each other.
+    fn read_deferred_overlapped(&mut self, nodes: Vec<*mut sys::ggml_tensor>) -> bool {
+        self.overlapped_reads += 1;
+        self.reducer.as_mut().unwrap().batching = true;
+        let mut ok = true;
+        for &p in &nodes {
+            // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
+            let Some(node) = (unsafe { Node::from_raw(p) }) else { continue };
+            let reap_reads = self.reap.is_some() && self.reap_reads(node);
+            ok = if !reap_reads && self.shares_last_input(node) { self.collect_shared(node) } else { self.observe_imatrix_part(node, reap_reads) };
+            self.deferred_reads += 1;
+            if !ok {
+                break;
+            }
+        }
+        let red = self.reducer.as_mut().unwrap();
+        red.batching = false;
+        if !ok {
+            red.discard();
+            return false;
+        }
+        if let Err(e) = red.launch() {
+            red.discard();
+            return self.fail(format!("--imatrix-on-device: {e:#} (chunk {})", self.chunk));
+        }
+        let reap_nodes: Vec<*mut sys::ggml_tensor> = nodes
+            .into_iter()
+            // SAFETY: as above.
+            .filter(|&p| unsafe { Node::from_raw(p) }.is_some_and(|n| self.reap.is_some() && self.reap_reads(n)))
+            .collect();
+        if let Some(mut pf) = self.prefetch.take() {
+            // SAFETY: as above, read before the graph's memory is reused; released below.
+            let live = reap_nodes.iter().filter_map(|&p| unsafe { Node::from_raw(p) });
+            let tensors: Vec<*mut sys::ggml_tensor> = live.flat_map(|n| self.host_reads(n)).map(|t| t.as_ptr()).collect();
+            // SAFETY: as above.
+            let fetched = unsafe { pf.fetch(&tensors) };
+            self.prefetch = Some(pf);
+            if let Err(e) = fetched {
+                self.reducer.as_mut().unwrap().wait();
+                return self.fail(format!("reading the end of the graph: {e:#} (chunk {}; REAP_PREFETCH=0 reads one tensor at a time)", self.chunk));
+            }
+        }
+        for p in reap_nodes {
+            // SAFETY: as above.
+            let Some(node) = (unsafe { Node::from_raw(p) }) else { continue };
+            if !self.observe_reap(node) {
+                ok = false;
+                break;
+            }
+        }
+        if let Some(pf) = self.prefetch.as_mut() {
+            pf.release();
+        }
+        // before the callback returns: the reductions read the graph's tensors
+        self.reducer.as_mut().unwrap().wait();
+        ok
+    }
+
+    /// The imatrix's part of [`Self::observe_timed`] for a node read at the end of its graph
+    /// (`reap_reads`: REAP reads it too, which ends any input sharing there).
+    fn observe_imatrix_part(&mut self, node: Node<'_>, reap_reads: bool) -> bool {
+        if self.failure.is_some() {
+            return false;
+        }
+        self.last_input = None;
+        let op = node.info().op;
+        if self.collect_imatrix && (op == sys::GGML_OP_MUL_MAT || op == sys::GGML_OP_MUL_MAT_ID) && !self.observe_imatrix(node) {
+            return false;
+        }
+        if reap_reads {
+            self.last_input = None;
+        }
+        true
+    }
+
     fn observe_timed(&mut self, node: Node<'_>) -> bool {
         if self.failure.is_some() {
             return false;

@@ -67,6 +67,13 @@ pub fn prefetch_wanted(keep: bool) -> bool {
     keep && std::env::var("REAP_PREFETCH").map_or(true, |v| v != "0")
 }
 
+/// Whether `--imatrix-on-device`'s reductions run on the device while the host copies and sums
+/// REAP's reads at the end of the graph (the observer's `overlap`): with `keep`
+/// ([`keep_wanted`]); `REAP_OVERLAP=0` runs them first and waits.
+pub fn overlap_wanted(keep: bool) -> bool {
+    keep && std::env::var("REAP_OVERLAP").map_or(true, |v| v != "0")
+}
+
 /// The candidates per token patch 0003 should compute for a trace of `top_n` (None: no trace)
 /// of a model with `n_expert` experts: top-n + 1 (the extra one tells a tie at the boundary),
 /// where that copies no more than the whole probabilities (8 bytes a candidate, its id and

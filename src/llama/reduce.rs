@@ -89,6 +89,10 @@ pub struct DeviceReducer {
     pub bytes_out: u64,
     /// the address of the last computed graph's first node (what CUDA keys its graphs by)
     first_node: usize,
+    /// graphs [`DeviceReducer::launch`]ed and not yet waited for, by device: their leaves
+    /// point at the scheduler's memory, so [`DeviceReducer::wait`] must come before the
+    /// callback that launched them returns
+    pending: Vec<(usize, Graph)>,
 }
 
 /// Reductions queued on one device, computed together by `commit`.
@@ -296,6 +300,8 @@ impl DeviceReducer {
     /// The context to build a reduction into `a` on device `d`: that device's batch, which is
     /// computed first if it already writes `a` or is full.
     fn batch_for(&mut self, d: usize, a: usize) -> Result<*mut sys::ggml_context> {
+        // a launched graph's context becomes the spare when it is done
+        self.wait();
         if self.batches.iter().any(|b| b.device == d && (b.accs.contains(&a) || b.accs.len() >= BATCH_REDUCTIONS)) {
             self.commit()?;
         }
@@ -315,18 +321,46 @@ impl DeviceReducer {
 
     /// Computes every queued reduction: one graph per device.
     pub fn commit(&mut self) -> Result<()> {
+        self.wait();
         for b in std::mem::take(&mut self.batches) {
             // SAFETY: the batch's leaves point at tensors live for the callback that queued them,
             // which is still running (the observer commits before it returns).
-            unsafe { self.run(b.device, &b.g, &b.outs)? };
+            unsafe {
+                self.run(b.device, &b.g, &b.outs)?;
+                sys::ggml_backend_synchronize(self.devices[b.device].backend);
+            }
             self.graphs_run += 1;
             self.devices[b.device].spare = Some(b.g);
         }
         Ok(())
     }
 
-    /// Drops the queued reductions (the run is failing).
+    /// Starts every queued reduction on its device (one graph per device) without waiting, so
+    /// the host can do other work meanwhile; [`Self::wait`] must follow before the tensors they
+    /// read are released (before the callback returns). Every other method waits first.
+    pub fn launch(&mut self) -> Result<()> {
+        self.wait();
+        for b in std::mem::take(&mut self.batches) {
+            // SAFETY: as in commit; the graph and its allocation stay untouched until wait().
+            unsafe { self.run(b.device, &b.g, &b.outs)? };
+            self.pending.push((b.device, b.g));
+        }
+        Ok(())
+    }
+
+    /// Waits for the launched reductions.
+    pub fn wait(&mut self) {
+        for (d, g) in std::mem::take(&mut self.pending) {
+            // SAFETY: our backend instance, which computes the graph launched on it.
+            unsafe { sys::ggml_backend_synchronize(self.devices[d].backend) };
+            self.graphs_run += 1;
+            self.devices[d].spare = Some(g);
+        }
+    }
+
+    /// Drops the queued reductions (the run is failing); launched ones are waited for.
     pub fn discard(&mut self) {
+        self.wait();
         self.batches.clear();
     }
 
@@ -420,7 +454,7 @@ impl DeviceReducer {
         }
     }
 
-    /// Allocates and computes `g` on device `d` (synchronously).
+    /// Allocates `g` on device `d` and starts computing it (the caller waits).
     unsafe fn run(&mut self, d: usize, g: &Graph, outs: &[*mut sys::ggml_tensor]) -> Result<()> {
         let dev = &self.devices[d];
         unsafe {
@@ -437,7 +471,8 @@ impl DeviceReducer {
             if !sys::ggml_gallocr_alloc_graph(dev.galloc, gf) {
                 bail!("could not allocate the reduction on the device");
             }
-            let st = sys::ggml_backend_graph_compute(dev.backend, gf);
+            // started, not waited for: commit waits at once, launch later
+            let st = sys::ggml_backend_graph_compute_async(dev.backend, gf);
             if st != sys::GGML_STATUS_SUCCESS {
                 bail!("the reduction failed on the device (status {st})");
             }
@@ -448,6 +483,7 @@ impl DeviceReducer {
 
 impl Drop for DeviceReducer {
     fn drop(&mut self) {
+        self.wait();
         // SAFETY: each object was created here and is freed once.
         unsafe {
             for a in self.accumulators.drain(..) {
