@@ -592,17 +592,8 @@ impl CalibrationObserver {
         if self.overlap_fits(&nodes) {
             return self.read_deferred_overlapped(nodes);
         }
-        if let Some(mut pf) = self.prefetch.take() {
-            // every copy of the batch at once, one wait per device
-            // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
-            let live = nodes.iter().filter_map(|&p| unsafe { Node::from_raw(p) });
-            let tensors: Vec<*mut sys::ggml_tensor> = live.flat_map(|n| self.host_reads(n)).map(|t| t.as_ptr()).collect();
-            // SAFETY: as above, read before the graph's memory is reused; released below.
-            let fetched = unsafe { pf.fetch(&tensors) };
-            self.prefetch = Some(pf);
-            if let Err(e) = fetched {
-                return self.fail(format!("reading the end of the graph: {e:#} (chunk {}; REAP_PREFETCH=0 reads one tensor at a time)", self.chunk));
-            }
+        if !self.prefetch_reads(&nodes) {
+            return false;
         }
         if let Some(r) = self.reducer.as_mut() {
             r.batching = true;
@@ -635,6 +626,22 @@ impl CalibrationObserver {
 }
 
 impl CalibrationObserver {
+    /// With `prefetch`: every host copy the reads of `nodes` take, at once, one wait per device
+    /// (released after the reads). False (with `failure` set) on error.
+    fn prefetch_reads(&mut self, nodes: &[*mut sys::ggml_tensor]) -> bool {
+        let Some(mut pf) = self.prefetch.take() else { return true };
+        // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
+        let live = nodes.iter().filter_map(|&p| unsafe { Node::from_raw(p) });
+        let tensors: Vec<*mut sys::ggml_tensor> = live.flat_map(|n| self.host_reads(n)).map(|t| t.as_ptr()).collect();
+        // SAFETY: as above, read before the graph's memory is reused; the caller releases them.
+        let fetched = unsafe { pf.fetch(&tensors) };
+        self.prefetch = Some(pf);
+        match fetched {
+            Ok(()) => true,
+            Err(e) => self.fail(format!("reading the end of the graph: {e:#} (chunk {}; REAP_PREFETCH=0 reads one tensor at a time)", self.chunk)),
+        }
+    }
+
     /// Whether the end of a graph can be read with the reductions running meanwhile: every
     /// matmul input the imatrix wants there is off-host (reduced on its device), so nothing of
     /// the imatrix is collected on the host, where a checkpoint taken mid-graph would carry
@@ -691,17 +698,9 @@ impl CalibrationObserver {
             // SAFETY: as above.
             .filter(|&p| unsafe { Node::from_raw(p) }.is_some_and(|n| self.reap.is_some() && self.reap_reads(n)))
             .collect();
-        if let Some(mut pf) = self.prefetch.take() {
-            // SAFETY: as above, read before the graph's memory is reused; released below.
-            let live = reap_nodes.iter().filter_map(|&p| unsafe { Node::from_raw(p) });
-            let tensors: Vec<*mut sys::ggml_tensor> = live.flat_map(|n| self.host_reads(n)).map(|t| t.as_ptr()).collect();
-            // SAFETY: as above.
-            let fetched = unsafe { pf.fetch(&tensors) };
-            self.prefetch = Some(pf);
-            if let Err(e) = fetched {
-                self.reducer.as_mut().unwrap().wait();
-                return self.fail(format!("reading the end of the graph: {e:#} (chunk {}; REAP_PREFETCH=0 reads one tensor at a time)", self.chunk));
-            }
+        if !self.prefetch_reads(&reap_nodes) {
+            self.reducer.as_mut().unwrap().wait();
+            return false;
         }
         for p in reap_nodes {
             // SAFETY: as above.
