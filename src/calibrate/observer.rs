@@ -803,11 +803,12 @@ impl CalibrationObserver {
             let red = self.reducer.as_mut().unwrap();
             red.alias(&wname, &l.weight).map_err(|e| format!("{wname}: {e:#}"))
         } else {
-            // in place on the host, else the leader's copy, untouched since (nothing observed)
-            let data = if src1.is_host() { src1.bytes(&mut self.scratch_a) } else { &self.scratch_a[..s1.nbytes()] };
+            // in place on the host or staged, else the leader's copy, untouched since (nothing
+            // observed)
+            let data = src1.resident_bytes().unwrap_or_else(|| &self.scratch_a[..s1.nbytes()]);
             if node.info().op == sys::GGML_OP_MUL_MAT_ID {
                 let ids = node.src(2).unwrap();
-                let ids_data = if ids.is_host() { ids.bytes(&mut self.scratch_b) } else { &self.scratch_b[..ids.info().nbytes()] };
+                let ids_data = ids.resident_bytes().unwrap_or_else(|| &self.scratch_b[..ids.info().nbytes()]);
                 self.imatrix.collect_mul_mat_id(&wname, w.ne[2], &s1, data, &ids.info(), ids_data)
             } else {
                 self.imatrix.collect_mul_mat(&wname, w.ne, &s1, data)

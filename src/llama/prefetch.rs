@@ -6,8 +6,9 @@
 //! `ggml_backend_tensor_get_async` on a backend instance of ours for its device, into one
 //! staging buffer per device (the device's pinned host memory where it has some, as CUDA does:
 //! an asynchronous copy into pageable memory would wait anyway), then each device is waited for
-//! once. [`Node::bytes`](super::Node::bytes) then finds the data staged and copies it from
-//! there. The scheduler waits for the device before it calls the callback, so the data the
+//! once. [`Node::bytes`](super::Node::bytes) then finds the data staged and reads it there
+//! in place (a second copy, at the exact imatrix's hundreds of MB per ubatch, cost more than
+//! the sums). The scheduler waits for the device before it calls the callback, so the data the
 //! copies read is complete.
 
 use super::sys;
@@ -29,6 +30,8 @@ pub struct Prefetcher {
     /// tensors copied, and waits made (one per device and batch)
     pub tensors: u64,
     pub waits: u64,
+    /// time spent copying and waiting
+    pub busy: std::time::Duration,
 }
 
 thread_local! {
@@ -50,6 +53,7 @@ impl Prefetcher {
     /// # Safety
     /// Every tensor must be live, with its data valid until `release`.
     pub unsafe fn fetch(&mut self, tensors: &[*mut sys::ggml_tensor]) -> Result<()> {
+        let t0 = std::time::Instant::now();
         self.release();
         // per device: (tensor, offset in its staging, bytes)
         let mut plan: Vec<Vec<(*mut sys::ggml_tensor, usize, usize)>> = Vec::new();
@@ -85,6 +89,7 @@ impl Prefetcher {
             self.waits += 1;
         }
         STAGED.with_borrow_mut(|m| *m = staged);
+        self.busy += t0.elapsed();
         Ok(())
     }
 

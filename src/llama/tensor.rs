@@ -112,25 +112,33 @@ impl<'a> Node<'a> {
         unsafe { sys::ggml_backend_buffer_is_host(t.buffer) }
     }
 
-    /// The tensor's bytes: borrowed in place when on the host, else copied into `scratch`.
-    pub fn bytes<'s>(&self, scratch: &'s mut Vec<u8>) -> &'s [u8]
-    where
-        'a: 's,
-    {
+    /// The tensor's bytes where they can be read without a device copy: in place on the host,
+    /// or the copy a batch of reads staged (`prefetch`), valid until that batch is released
+    /// (the observer releases it after the reads it made them for).
+    pub fn resident_bytes(&self) -> Option<&'a [u8]> {
         let n = self.info().nbytes();
         let t = self.t();
         if self.is_host() && !t.data.is_null() {
             // SAFETY: host data of a live tensor spans nbytes.
-            return unsafe { std::slice::from_raw_parts(t.data as *const u8, n) };
+            return Some(unsafe { std::slice::from_raw_parts(t.data as *const u8, n) });
         }
-        if let Some((p, len)) = super::prefetch::staged(self.raw) {
-            // copied already with the rest of a batch of reads (`prefetch`)
-            debug_assert_eq!(len, n);
-            scratch.clear();
-            // SAFETY: the staged copy of this tensor, valid until the batch is released.
-            scratch.extend_from_slice(unsafe { std::slice::from_raw_parts(p, len) });
-            return &scratch[..];
+        let (p, len) = super::prefetch::staged(self.raw)?;
+        debug_assert_eq!(len, n);
+        // SAFETY: the staged copy of this tensor, valid until the batch is released, which
+        // comes after the reads of the batch (not copied again: at the exact imatrix's sizes,
+        // hundreds of MB per ubatch, a second copy cost as much as the sums)
+        Some(unsafe { std::slice::from_raw_parts(p, len) })
+    }
+
+    /// The tensor's bytes: [`Self::resident_bytes`] where it can, else copied into `scratch`.
+    pub fn bytes<'s>(&self, scratch: &'s mut Vec<u8>) -> &'s [u8]
+    where
+        'a: 's,
+    {
+        if let Some(b) = self.resident_bytes() {
+            return b;
         }
+        let n = self.info().nbytes();
         scratch.resize(n, 0);
         DEVICE_TO_HOST_BYTES.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: copying nbytes out of a live tensor into a buffer of that size.

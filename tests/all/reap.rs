@@ -383,7 +383,7 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
             let err = String::from_utf8_lossy(&out.stderr).into_owned();
             let count = |after: &str| -> Option<u64> { err.split(after).next().filter(|s| s.len() < err.len())?.rsplit(' ').next()?.parse().ok() };
             let read_at_end = count(" nodes read at the end of their graph").unwrap_or_else(|| panic!("no deferred-read count:\n{err}"));
-            (d, read_at_end, count(" reduction graphs run"), count(" waits)"), count(" of them while REAP's reads were copied and summed"))
+            (d, read_at_end, count(" reduction graphs run"), count(" waits, "), count(" of them while REAP's reads were copied and summed"))
         };
         let (deferred, n, batched, waits, overlapped) = go("1", "1", "1");
         let (one_at_a_time, n1, _, no_waits, _) = go("1", "0", "1");
