@@ -148,7 +148,7 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
     observer.router_on_device = router_on_device;
     observer.router_candidates = router_candidates;
     if crate::llama::expert_stats::prefetch_wanted(defer) {
-        observer.prefetch = Some(Default::default());
+        observer.prefetch = Some(crate::llama::prefetch::Prefetcher::new());
     }
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
     let sampling = if args.temp > 0.0 { Sampling::Temperature { temp: args.temp, seed: args.seed } } else { Sampling::Greedy };

@@ -357,21 +357,23 @@ fn device_expert_stats_match(server: &RpcServer, key: &str, model: &Path) {
 /// The files are those of reading node by node (`REAP_DEFER=0`), in both imatrix modes, with
 /// two ubatches per chunk and checkpoints on the way, whether the reads at the end are copied
 /// all at once with one wait per ubatch (`llama::prefetch`) or one at a time
-/// (`REAP_PREFETCH=0`), and whether `--imatrix-on-device`'s reductions run while REAP's reads
+/// (`REAP_PREFETCH=0`), read as each copy arrives (the default) or once the whole batch has
+/// (`REAP_STREAM=0`), and whether `--imatrix-on-device`'s reductions run while REAP's reads
 /// are copied and summed (the default) or before them (`REAP_OVERLAP=0`).
 #[test]
 fn deferred_reads_give_the_files_of_node_by_node_reads() {
     let server = RpcServer::start();
     let model = fixture("qwen3moe");
     for mode in [&[][..], &["--imatrix-on-device"][..]] {
-        let go = |defer: &str, prefetch: &str, overlap: &str| {
-            let d = temp_dir(&format!("deferred-{defer}-{prefetch}-{overlap}-{}", mode.len()));
+        let go_env = |defer: &str, prefetch: &str, overlap: &str, stream: &str| {
+            let d = temp_dir(&format!("deferred-{defer}-{prefetch}-{overlap}-{stream}-{}", mode.len()));
             let out = run_ok(
                 Command::new(ours())
                     .current_dir(&d)
                     .env("REAP_DEFER", defer)
                     .env("REAP_PREFETCH", prefetch)
                     .env("REAP_OVERLAP", overlap)
+                    .env("REAP_STREAM", stream)
                     .arg("-m")
                     .arg(&model)
                     .arg("-f")
@@ -383,16 +385,25 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
             let err = String::from_utf8_lossy(&out.stderr).into_owned();
             let count = |after: &str| -> Option<u64> { err.split(after).next().filter(|s| s.len() < err.len())?.rsplit(' ').next()?.parse().ok() };
             let read_at_end = count(" nodes read at the end of their graph").unwrap_or_else(|| panic!("no deferred-read count:\n{err}"));
-            (d, read_at_end, count(" reduction graphs run"), count(" waits, "), count(" of them while REAP's reads were copied and summed"))
+            let copies = (count(" batches, "), count(" waits, "));
+            (d, read_at_end, count(" reduction graphs run"), copies, count(" of them while REAP's reads were copied and summed"))
         };
-        let (deferred, n, batched, waits, overlapped) = go("1", "1", "1");
-        let (one_at_a_time, n1, _, no_waits, _) = go("1", "0", "1");
+        let go = |defer: &str, prefetch: &str, overlap: &str| go_env(defer, prefetch, overlap, "1");
+        let (deferred, n, batched, copies, overlapped) = go("1", "1", "1");
+        let (one_at_a_time, n1, _, no_copies, _) = go("1", "0", "1");
         let (by_node, zero, one_by_one, _, not_overlapped) = go("0", "1", "1");
         // --imatrix-on-device's reductions computed before REAP's reads, not during them
         let (serial, n2, batched2, _, serial_overlapped) = go("1", "1", "0");
         assert!(n > 0 && n1 == n && n2 == n && zero == 0, "{mode:?}: {n}, {n1}, {n2} and {zero} nodes read at the end");
-        // the end-of-graph reads of each of the 12 ubatches copied together, one wait each
-        assert_eq!((waits, no_waits), (Some(12), None), "{mode:?}");
+        // the end-of-graph reads of each of the 12 ubatches copied together, and read as they
+        // arrive: more than one wait per batch (RPC has events; each read waits for its own
+        // copy) but at most one per tensor
+        let (Some(batches), Some(waits)) = copies else { panic!("{mode:?}: no batch and wait counts") };
+        assert_eq!((batches, no_copies), (12, (None, None)), "{mode:?}");
+        assert!(waits > 12, "{mode:?}: {waits} waits for 12 batches: the reads did not wait copy by copy");
+        // REAP_STREAM=0: each batch waited for whole, before its reads
+        let (whole, n3, _, whole_copies, _) = go_env("1", "1", "1", "0");
+        assert_eq!((n3, whole_copies), (n, (Some(12), Some(12))), "{mode:?}");
         if !mode.is_empty() {
             // 6 chunks of 2 ubatches; per ubatch and layer 5 weights of their own input (q, o,
             // the router, up/gate, down): one graph per ubatch when read at the end, each
@@ -406,6 +417,7 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
             assert_same_bytes(&deferred.join(f), &by_node.join(f));
             assert_same_bytes(&one_at_a_time.join(f), &by_node.join(f));
             assert_same_bytes(&serial.join(f), &by_node.join(f));
+            assert_same_bytes(&whole.join(f), &by_node.join(f));
         }
     }
 }
