@@ -23,6 +23,7 @@
 //! thread, and on every core (`collect::pool`, used when layers are offloaded).
 
 use reap_imatrix::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig};
+use reap_imatrix::llama::reduce::Reduced;
 use reap_imatrix::collect::pool::Pool;
 use reap_imatrix::collect::reap::ReapCollector;
 use reap_imatrix::collect::trace_rows::{top_candidates, TraceRows};
@@ -237,5 +238,43 @@ fn main() {
         medians[0] * 1e3,
         medians[1] * 1e3,
         medians[0] / medians[1]
+    );
+
+    // --imatrix-on-device: what adding one drain of the device sums into the imatrix costs on
+    // the host (the copy from the device comes on top): per layer q (k and v its aliases), the
+    // attention output, the router, the experts' up (gate its alias) and down
+    let reduced = |name: String, n_in: usize, n_as: usize, same_as: Option<usize>| {
+        let (sums, counts) = if same_as.is_some() { (Vec::new(), Vec::new()) } else { (vec![1.0f32; n_in * n_as.max(1)], vec![4.0f32; n_as.max(1)]) };
+        Reduced { name, n_in: n_in as i64, n_as: n_as as i64, sums, counts, same_as }
+    };
+    let mut drain = Vec::new();
+    for l in 0..n_layer {
+        let q = drain.len();
+        drain.push(reduced(format!("blk.{l}.attn_q.weight"), n_embd, 0, None));
+        for w in ["attn_k", "attn_v"] {
+            drain.push(reduced(format!("blk.{l}.{w}.weight"), n_embd, 0, Some(q)));
+        }
+        drain.push(reduced(format!("blk.{l}.attn_output.weight"), n_embd, 0, None));
+        drain.push(reduced(format!("blk.{l}.ffn_gate_inp.weight"), n_embd, 0, None));
+        let up = drain.len();
+        drain.push(reduced(format!("blk.{l}.ffn_up_exps.weight"), n_embd, e, None));
+        drain.push(reduced(format!("blk.{l}.ffn_gate_exps.weight"), n_embd, e, Some(up)));
+        drain.push(reduced(format!("blk.{l}.ffn_down_exps.weight"), ffn, e, None));
+    }
+    let cfg = ImatrixConfig { chunk_size: i32::MAX, out_freq: 1, save_freq: 0, process_output: false };
+    let mut c = ImatrixCollector::new(cfg, Imatrix::default());
+    let times: Vec<f64> = (0..=runs)
+        .map(|_| {
+            let t0 = Instant::now();
+            c.add_reduced(&drain).unwrap();
+            t0.elapsed().as_secs_f64()
+        })
+        .skip(1)
+        .collect();
+    let copied: usize = drain.iter().map(|r| 4 * (r.sums.len() + if r.n_as > 0 { r.counts.len() } else { 0 })).sum();
+    println!(
+        "--imatrix-on-device, one drain added on the host ({:.1} MB copied from the device per drain): {:.2} ms",
+        copied as f64 / 1e6,
+        median(times) * 1e3
     );
 }

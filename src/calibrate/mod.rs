@@ -328,7 +328,14 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     if let Some(r) = &ctx.observer().reducer {
         let o = ctx.observer();
         let overlapped = if o.overlapped_reads > 0 { format!(", {} of them while REAP's reads were copied and summed", o.overlapped_reads) } else { String::new() };
-        eprintln!("collection: --imatrix-on-device copied {} bytes of per-chunk sums; {} reduction graphs run ({} operations){overlapped}", r.bytes_out, r.graphs_run, r.ops_run);
+        eprintln!(
+            "collection: --imatrix-on-device copied {} bytes of sums in {} drains ({:.3} s copying and adding them); {} reduction graphs run ({} operations){overlapped}",
+            r.bytes_out,
+            o.drains,
+            o.drain_busy.as_secs_f64(),
+            r.graphs_run,
+            r.ops_run
+        );
     }
     let copied = crate::llama::tensor::DEVICE_TO_HOST_BYTES.load(std::sync::atomic::Ordering::Relaxed);
     if copied > 0 {
@@ -704,9 +711,12 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
                 logits.extend_from_slice(ctx.logits(batch_size));
             }
         }
-        // --imatrix-on-device: the chunk's sums, accumulated on the device, enter the imatrix
-        // (and its checkpoint rule) now
-        if !ctx.observer_mut().flush_device_imatrix() {
+        // --imatrix-on-device: the sums accumulated on the device enter the imatrix (and its
+        // checkpoint rule) where that rule writes a checkpoint for this chunk, and at the end,
+        // not after every chunk: each time copies and adds every weight's sums, tens of MB on
+        // a large model, which at -c 512 can cost more than the chunk's forward pass
+        let last = i + n_seq_batch >= n_chunk;
+        if (last || ctx.observer().device_imatrix_due()) && !ctx.observer_mut().flush_device_imatrix() {
             bail!("{}", ctx.observer_mut().failure.take().unwrap_or_default());
         }
         outputs.flush(ctx);
@@ -739,6 +749,11 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
         outputs.chunks_done = i.min(n_chunk);
         bar.set(outputs.chunks_done as u64);
     }
+    // (a no-op: the last chunk added them)
+    if !ctx.observer_mut().flush_device_imatrix() {
+        bail!("{}", ctx.observer_mut().failure.take().unwrap_or_default());
+    }
+    outputs.flush(ctx);
     // the last checkpoint, when it is written, belongs on the line
     outputs.writer.sync();
     bar.finish();

@@ -93,6 +93,12 @@ pub struct CalibrationObserver {
     pub overlap: bool,
     /// graph ends read that way
     pub overlapped_reads: u64,
+    /// `--imatrix-on-device`: times the device sums were added into the imatrix, and the time
+    pub drains: u64,
+    pub drain_busy: std::time::Duration,
+    /// `--imatrix-on-device` collected some weight on the host (a layer left there): its
+    /// counts run the checkpoint rule mid-graph, so the device sums are added every chunk
+    pub imatrix_on_host: bool,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -184,6 +190,9 @@ impl CalibrationObserver {
             prefetch: None,
             overlap: false,
             overlapped_reads: 0,
+            drains: 0,
+            drain_busy: std::time::Duration::ZERO,
+            imatrix_on_host: false,
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -316,7 +325,7 @@ impl CalibrationObserver {
             let data = node.bytes(&mut self.scratch_a);
             match r.sums.slot(block) {
                 None => Err(format!("{name}: routing of layer {block} was not seen first")),
-                Some(s) => r.sums.on_expert_norms(s, &t, data, f.name()),
+                Some(s) => r.sums.on_expert_norms(s, &t, data, imatrix::filter_tensor_name(f.name())),
             }
         } else if let Some(block) = layer_of(name, EXPERT_MAX) {
             let t = node.info();
@@ -340,13 +349,15 @@ impl CalibrationObserver {
                 ));
             }
             if r.weights_node.is_none() {
-                r.weights_node = Some(g.name().to_string());
+                r.weights_node = Some(imatrix::filter_tensor_name(g.name()).to_string());
             }
             match r.sums.slot(block) {
                 None => Err(format!("{name}: routing of layer {block} was not seen first")),
                 Some(s) => {
                     let gd = g.bytes(&mut self.scratch_b);
-                    r.sums.on_weighted(s, f.name(), &g.info(), gd)
+                    // where the weighting runs on another backend than the experts (a layer
+                    // split by -ngl), its src0 is the scheduler's copy, `BACKEND#name#N`
+                    r.sums.on_weighted(s, imatrix::filter_tensor_name(f.name()), &g.info(), gd)
                 }
             }
         } else {
@@ -867,6 +878,7 @@ impl CalibrationObserver {
         if s1.nb[0] != 4 || s1.ty != sys::GGML_TYPE_F32 {
             return self.fail(format!("{wname}: input is not contiguous f32 (type {}, nb0 {})", s1.ty, s1.nb[0]));
         }
+        self.imatrix_on_host |= self.reducer.is_some();
         let data = src1.bytes(&mut self.scratch_a);
         let result = if op == sys::GGML_OP_MUL_MAT_ID {
             let Some(ids) = node.src(2) else { return self.fail(format!("{wname}: MUL_MAT_ID without ids")) };
@@ -892,16 +904,44 @@ impl CalibrationObserver {
         });
     }
 
+    /// `--imatrix-on-device`: whether the device sums must enter the imatrix at the end of
+    /// this chunk: where upstream's checkpoint rule fires once they do (read from the dense
+    /// weights' rows, which the host knows), so a checkpoint holds what it would; always where
+    /// a weight is collected on the host (its counts run the rule mid-graph) or no dense weight
+    /// is pending (nothing to tell by).
+    pub fn device_imatrix_due(&self) -> bool {
+        let Some(red) = &self.reducer else { return false };
+        if self.imatrix_on_host {
+            return true;
+        }
+        let mut pending = false;
+        for (name, rows) in red.pending_dense_rows() {
+            pending = true;
+            let count = self.imatrix.state.stats.get(name).and_then(|e| e.counts.first().copied()).unwrap_or(0) + rows;
+            if self.imatrix.save_due(count) {
+                return true;
+            }
+        }
+        !pending
+    }
+
     /// `--imatrix-on-device`: copies the device accumulators (the ubatches since the last
     /// flush) into the imatrix, then applies upstream's checkpoint rule to the whole update.
-    /// Called at the end of every chunk and before the outputs of an interrupted run are
-    /// written. Returns false (with `failure` set) on error.
+    /// Called at the end of a chunk where [`Self::device_imatrix_due`], at the end of the run,
+    /// and before the outputs of an interrupted run are written. Returns false (with `failure`
+    /// set) on error.
     pub fn flush_device_imatrix(&mut self) -> bool {
         let Some(red) = self.reducer.as_mut() else { return true };
-        let result = red
-            .drain()
-            .map_err(|e| format!("--imatrix-on-device: {e:#}"))
-            .and_then(|chunk| self.imatrix.add_reduced(&chunk));
+        let t0 = std::time::Instant::now();
+        let mut drained = false;
+        let result = red.drain().map_err(|e| format!("--imatrix-on-device: {e:#}")).and_then(|chunk| {
+            drained = !chunk.is_empty();
+            self.imatrix.add_reduced(&chunk)
+        });
+        if drained {
+            self.drains += 1;
+            self.drain_busy += t0.elapsed();
+        }
         self.after_collect(result)
     }
 

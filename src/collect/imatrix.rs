@@ -186,11 +186,16 @@ impl ImatrixCollector {
     /// is updated, so a checkpoint holds whole chunks (upstream's, taken mid-graph, holds the
     /// weights collected so far in the chunk's last ubatch).
     pub fn add_reduced(&mut self, chunk: &[crate::llama::reduce::Reduced]) -> Result<(), String> {
+        let mut finite = Vec::with_capacity(chunk.len());
         for r in chunk {
-            self.update_reduced(r)?;
+            // an alias (a weight that read its leader's input) adds the leader's sums
+            let (sums, counts) = match r.same_as {
+                Some(l) => (&chunk[l].sums, &chunk[l].counts),
+                None => (&r.sums, &r.counts),
+            };
+            finite.push(self.update_reduced(&r.name, r.n_in, r.n_as, sums, counts)?);
         }
-        for r in chunk {
-            let finite = self.state.stats[&r.name].values.iter().all(|v| v.is_finite());
+        for (r, finite) in chunk.iter().zip(finite) {
             self.after_update(&r.name, finite);
             if self.error.is_some() {
                 break;
@@ -199,8 +204,21 @@ impl ImatrixCollector {
         Ok(())
     }
 
-    fn update_reduced(&mut self, r: &crate::llama::reduce::Reduced) -> Result<(), String> {
-        let (wname, n_in, n_as, sums, counts) = (&r.name, r.n_in, r.n_as, &r.sums, &r.counts);
+    /// Whether upstream's checkpoint rule would fire once a weight's count (as the rule reads
+    /// counts: the rows collected) reaches `count`: `--imatrix-on-device` adds its device sums
+    /// into the imatrix only then (and at the end), so a checkpoint holds what it would.
+    pub fn save_due(&self, count: i64) -> bool {
+        let n_chunk = (count / self.cfg.chunk_size as i64) as i32;
+        if n_chunk <= self.state.last_chunk {
+            return false;
+        }
+        let step = n_chunk - self.state.last_chunk;
+        (n_chunk % self.cfg.out_freq) / step == 0 || (self.cfg.save_freq > 0 && (n_chunk % self.cfg.save_freq) / step == 0)
+    }
+
+    /// Adds reduced sums and counts into `wname`'s entry; returns whether every sum is finite
+    /// after it (each is updated, so this checks the whole entry, as the exact path does).
+    fn update_reduced(&mut self, wname: &str, n_in: i64, n_as: i64, sums: &[f32], counts: &[f32]) -> Result<bool, String> {
         let n_rows = n_as.max(1);
         if sums.len() as i64 != n_in * n_rows || counts.len() as i64 != n_rows {
             return Err(format!("{wname}: reduced shapes {} and {} for {n_in} × {n_rows}", sums.len(), counts.len()));
@@ -219,13 +237,15 @@ impl ImatrixCollector {
         } else if e.values.len() != sums.len() || e.counts.len() != n_rows as usize {
             return Err(format!("inconsistent size for {wname} ({} vs {})", e.values.len(), sums.len()));
         }
+        let mut finite = true;
         for (v, s) in e.values.iter_mut().zip(sums) {
             *v += s;
+            finite &= v.is_finite();
         }
         for (c, &n) in e.counts.iter_mut().zip(counts) {
             *c += n.round() as i64;
         }
-        Ok(())
+        Ok(finite)
     }
 
     /// After `wname`'s sums and counts were updated: a non-finite sum stops collection (the

@@ -122,6 +122,9 @@ pub struct Reduced {
     pub sums: Vec<f32>,
     /// `[1]` (dense: rows) or `[n_expert]`
     pub counts: Vec<f32>,
+    /// a weight that read another's input: its sums and counts are those of the entry at this
+    /// index of the same drain (its own are left empty)
+    pub same_as: Option<usize>,
 }
 
 impl DeviceReducer {
@@ -196,6 +199,11 @@ impl DeviceReducer {
         }
     }
 
+    /// The dense weights with sums not yet drained, and their rows since the last drain.
+    pub fn pending_dense_rows(&self) -> impl Iterator<Item = (&str, i64)> {
+        self.accumulators.iter().filter(|a| a.n_as == 0 && a.adds > 0).map(|a| (a.name.as_str(), a.rows as i64))
+    }
+
     /// Copies every accumulator that received something since the last drain to the host,
     /// in first-seen order, and zeroes it: the chunk's sums and counts.
     pub fn drain(&mut self) -> Result<Vec<Reduced>> {
@@ -229,13 +237,13 @@ impl DeviceReducer {
                 a.rows = 0.0;
                 a.adds = 0;
                 drained[i] = Some(out.len());
-                out.push(Reduced { name: a.name.clone(), n_in: a.n_in, n_as: a.n_as, sums, counts });
+                out.push(Reduced { name: a.name.clone(), n_in: a.n_in, n_as: a.n_as, sums, counts, same_as: None });
             }
         }
         for al in self.aliases.iter_mut().filter(|al| al.adds > 0) {
-            let r = &out[drained[al.leader].expect("checked above: the leader was added")];
-            let copy = Reduced { name: al.name.clone(), n_in: r.n_in, n_as: r.n_as, sums: r.sums.clone(), counts: r.counts.clone() };
-            out.push(copy);
+            let l = drained[al.leader].expect("checked above: the leader was added");
+            let alias = Reduced { name: al.name.clone(), n_in: out[l].n_in, n_as: out[l].n_as, sums: Vec::new(), counts: Vec::new(), same_as: Some(l) };
+            out.push(alias);
             al.adds = 0;
         }
         Ok(out)

@@ -422,20 +422,29 @@ fn unwritable_outputs_fail_before_computing() {
 }
 
 /// `-ngl 99 --rpc` to a local `ggml-rpc-server`: every layer off-host, as on a GPU, so every
-/// tensor the callback reads is copied from a device buffer. The imatrix equals upstream's over
+/// tensor the callback reads is copied from a device buffer; and `-ngl 2` of the fixture's 4
+/// layers, a model split between the host and the device (where a layer's experts and their
+/// weighting run on different backends, the weighting reads the scheduler's copy,
+/// `RPC0[…]#ffn_moe_down-2#0`, which REAP once refused). The imatrix equals upstream's over
 /// the same server byte for byte; the REAP sums equal our CPU run's to float rounding (the
 /// offloaded graph runs other kernels than the host's, as `eval`'s RPC test measured).
 #[test]
 fn offloaded_through_rpc_is_byte_identical_and_reap_agrees_with_the_cpu() {
     let server = RpcServer::start();
     let model = fixture("qwen3moe");
-    let p = run_both("rpc", &model, "imatrix.gguf", &args(&["-c", "128", "-b", "128", "-ngl", "99", "--rpc", &server.endpoint]));
-    p.assert_same_file("imatrix.gguf");
-    p.assert_same_ppl();
     let cpu = temp_dir("rpc-cpu");
     run_ok(Command::new(ours()).current_dir(&cpu).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-o", "imatrix.gguf"]).args(args(&["-c", "128", "-b", "128"])));
+    for ngl in ["99", "2"] {
+        let p = run_both(&format!("rpc-ngl{ngl}"), &model, "imatrix.gguf", &args(&["-c", "128", "-b", "128", "-ngl", ngl, "--rpc", &server.endpoint]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        reap_agrees_with_the_cpu(&p.ours_dir, &cpu);
+    }
+}
+
+fn reap_agrees_with_the_cpu(offloaded: &Path, cpu: &Path) {
     let read = |d: &Path| reap_imatrix::formats::saliency::Saliency::read(&d.join("imatrix.reap.json")).unwrap();
-    let (off, host) = (read(&p.ours_dir), read(&cpu));
+    let (off, host) = (read(offloaded), read(cpu));
     assert_eq!(off.tokens, host.tokens);
     let close = |a: &[f64], b: &[f64], what: &str| {
         for (e, (x, y)) in a.iter().zip(b).enumerate() {
@@ -464,7 +473,8 @@ fn imatrix_on_device_agrees_with_the_exact_mode() {
     let server = RpcServer::start();
     let model = fixture("qwen3moe");
     let d = temp_dir("imatrix-on-device");
-    let go = |out: &str, extra: &[&str]| {
+    // chunks of 128 over the server, with -ngl (all layers: 99) and the rest of the flags
+    let calibrate = |out: &str, ngl: &str, chunks: &str, extra: &[&str]| {
         let o = run_ok(
             Command::new(ours())
                 .current_dir(&d)
@@ -472,11 +482,12 @@ fn imatrix_on_device_agrees_with_the_exact_mode() {
                 .arg(&model)
                 .arg("-f")
                 .arg(corpus())
-                .args(["-o", out, "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "--no-ppl", "-ngl", "99", "--rpc", &server.endpoint])
+                .args(["-o", out, "-c", "128", "-b", "128", "--chunks", chunks, "-t", "2", "--no-ppl", "-ngl", ngl, "--rpc", &server.endpoint])
                 .args(extra),
         );
         String::from_utf8_lossy(&o.stderr).to_string()
     };
+    let go = |out: &str, extra: &[&str]| calibrate(out, "99", "4", extra);
     let copied_mib = |err: &str| -> f64 { err.split("collection: ").filter_map(|s| s.split(" MiB copied").next()?.parse().ok()).next().unwrap_or_else(|| panic!("no copy line:\n{err}")) };
     let sums_bytes = |err: &str| -> u64 {
         err.split("--imatrix-on-device copied ").nth(1).and_then(|s| s.split(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("no per-chunk sums line:\n{err}"))
@@ -522,13 +533,44 @@ fn imatrix_on_device_agrees_with_the_exact_mode() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("bad.gguf"), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(fast_mib * 4.0 < exact_mib, "{fast_mib} MiB vs {exact_mib} MiB");
-    // once per chunk: each weight's sums (and an expert weight's counts) as f32, 4 times,
-    // whatever the ubatch size; k and v read q's input, the experts' gate reads up's (same
-    // size): their sums are not reduced or copied again
+    // once per drain: each weight's sums (and an expert weight's counts) as f32, whatever the
+    // ubatch size; k and v read q's input, the experts' gate reads up's (same size): their
+    // sums are not reduced or copied again. A drain where upstream's rule writes a checkpoint
+    // and at the end: with the default -ofreq 10, once in 4 chunks
     let shares_input = |name: &str| ["attn_k.weight", "attn_v.weight", "ffn_gate_exps.weight"].iter().any(|s| name.ends_with(s));
-    let per_chunk: u64 = a.entries.iter().filter(|(n, _)| !shares_input(n)).map(|(_, e)| 4 * (e.sums.len() + if e.counts.len() > 1 { e.counts.len() } else { 0 }) as u64).sum();
-    assert_eq!(sums_bytes(&fast), 4 * per_chunk, "-ub 32");
-    assert_eq!(sums_bytes(&one_ubatch), 4 * per_chunk, "-ub 128");
+    let per_drain: u64 = a.entries.iter().filter(|(n, _)| !shares_input(n)).map(|(_, e)| 4 * (e.sums.len() + if e.counts.len() > 1 { e.counts.len() } else { 0 }) as u64).sum();
+    let drains = |err: &str| -> u64 { err.split(" drains (").next().and_then(|s| s.rsplit(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("no drain count:\n{err}")) };
+    assert_eq!((sums_bytes(&fast), drains(&fast)), (per_drain, 1), "-ub 32");
+    assert_eq!((sums_bytes(&one_ubatch), drains(&one_ubatch)), (per_drain, 1), "-ub 128");
+    // with checkpoints every 2 chunks and .at_3: drains at chunks 2, 3 and 4, and each
+    // checkpoint holds whole chunks: .at_3 what an exact run over 3 chunks ends with (the
+    // same chunks and counts, sums to f32 rounding; upstream's own .at_3 is taken mid-graph,
+    // when the first weight's count crosses the chunk, before the rest of that ubatch)
+    let ck = go("fast-ck.gguf", &["--imatrix-on-device", "-ub", "32", "-ofreq", "2", "--save-frequency", "3"]);
+    assert_eq!((sums_bytes(&ck), drains(&ck)), (3 * per_drain, 3), "-ofreq 2 --save-frequency 3");
+    calibrate("exact-3.gguf", "99", "3", &["-ub", "32"]);
+    let file = |n: &str| imatrix_file::load(&d.join(n)).unwrap_or_else(|e| panic!("{n}: {e:#}"));
+    for (x, y) in [("exact.gguf", "fast-ck.gguf"), ("exact-3.gguf", "fast-ck.gguf.at_3")] {
+        let (ex, fa) = (file(x), file(y));
+        assert_eq!(ex.chunk_count, fa.chunk_count, "{y}");
+        for (name, e) in &ex.entries {
+            let f = &fa.entries[name];
+            assert_eq!(e.counts, f.counts, "{y}: {name}");
+            for (&u, &v) in e.sums.iter().zip(&f.sums) {
+                assert!((u - v).abs() <= 1e-4 * u.abs().max(v.abs()), "{y}: {name}: {u} vs {v}");
+            }
+        }
+    }
+    assert_eq!(file("fast-ck.gguf.at_3").chunk_count, 3);
+    // a model split by -ngl 2 (of 4 layers): the host's layers collected there, the device's
+    // reduced; the host's counts run the checkpoint rule mid-graph, so the device sums are
+    // added every chunk
+    calibrate("exact-split.gguf", "2", "4", &["-ub", "32"]);
+    let fast_split = calibrate("fast-split.gguf", "2", "4", &["-ub", "32", "--imatrix-on-device"]);
+    assert_eq!(drains(&fast_split), 4, "{fast_split}");
+    let o = run_ok(Command::new(ours()).current_dir(&d).args(["imatrix-diff", "exact-split.gguf", "fast-split.gguf", "--max-rel", "1e-4"]));
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(text.contains("counts: identical"), "{text}");
     // 3 shared per layer, 4 layers, in each of 16 ubatches (and 4 at -ub 128)
     let shared = |err: &str| -> u64 { err.split(" matmuls collected from the input of the one before").next().and_then(|s| s.rsplit(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("no shared-input count:\n{err}")) };
     assert_eq!((shared(&fast), shared(&one_ubatch)), (3 * 4 * 16, 3 * 4 * 4));
