@@ -10,8 +10,9 @@
 //! the host's sums over the first tensors overlap the copies of the rest (a device without
 //! events, or `REAP_STREAM=0`: each device is waited for once, before the reads).
 //! [`Node::bytes`](super::Node::bytes) then finds the data staged and reads it there in place
-//! (a second copy, at the exact imatrix's hundreds of MB per ubatch, cost more than the sums). The scheduler waits for the device before it calls the callback, so the data the
-//! copies read is complete.
+//! (a second copy, at the exact imatrix's hundreds of MB per ubatch, cost more than the sums).
+//! The scheduler waits for the device before it calls the callback, so the data the copies
+//! read is complete.
 
 use super::sys;
 use anyhow::{bail, Result};
@@ -135,7 +136,15 @@ impl Prefetcher {
                 continue;
             }
             let total = items.last().map_or(0, |&(_, o, n)| o + n);
-            let base = self.staging(d, total)?;
+            let base = match self.staging(d, total) {
+                Ok(p) => p,
+                Err(e) => {
+                    // the copies already started must end before their tensors can go
+                    STAGED.with_borrow_mut(|m| *m = b);
+                    self.release();
+                    return Err(e);
+                }
+            };
             for (i, &(t, off, n)) in items.iter().enumerate() {
                 sys::ggml_backend_tensor_get_async(backend, t, base.add(off).cast(), 0, n);
                 if let Some(&e) = b.streams[d].events.get(i) {
