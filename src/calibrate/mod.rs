@@ -749,11 +749,6 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
         outputs.chunks_done = i.min(n_chunk);
         bar.set(outputs.chunks_done as u64);
     }
-    // (a no-op: the last chunk added them)
-    if !ctx.observer_mut().flush_device_imatrix() {
-        bail!("{}", ctx.observer_mut().failure.take().unwrap_or_default());
-    }
-    outputs.flush(ctx);
     // the last checkpoint, when it is written, belongs on the line
     outputs.writer.sync();
     bar.finish();

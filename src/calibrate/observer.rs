@@ -684,10 +684,14 @@ impl CalibrationObserver {
         self.overlapped_reads += 1;
         self.reducer.as_mut().unwrap().batching = true;
         let mut ok = true;
-        for &p in &nodes {
+        let mut reap_nodes = Vec::new();
+        for p in nodes {
             // SAFETY: nodes of the graph being computed, their data kept by patch 0002.
             let Some(node) = (unsafe { Node::from_raw(p) }) else { continue };
             let reap_reads = self.reap.is_some() && self.reap_reads(node);
+            if reap_reads {
+                reap_nodes.push(p);
+            }
             ok = if !reap_reads && self.shares_last_input(node) { self.collect_shared(node) } else { self.observe_imatrix_part(node, reap_reads) };
             self.deferred_reads += 1;
             if !ok {
@@ -704,11 +708,6 @@ impl CalibrationObserver {
             red.discard();
             return self.fail(format!("--imatrix-on-device: {e:#} (chunk {})", self.chunk));
         }
-        let reap_nodes: Vec<*mut sys::ggml_tensor> = nodes
-            .into_iter()
-            // SAFETY: as above.
-            .filter(|&p| unsafe { Node::from_raw(p) }.is_some_and(|n| self.reap.is_some() && self.reap_reads(n)))
-            .collect();
         if !self.prefetch_reads(&reap_nodes) {
             self.reducer.as_mut().unwrap().wait();
             return false;
