@@ -26,7 +26,7 @@ use reap_imatrix::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig};
 use reap_imatrix::llama::reduce::Reduced;
 use reap_imatrix::collect::pool::Pool;
 use reap_imatrix::collect::reap::ReapCollector;
-use reap_imatrix::collect::trace_rows::{top_candidates, TraceRows};
+use reap_imatrix::collect::trace_rows::{encode_ubatches, top_candidates, TraceRows};
 use reap_imatrix::fixture::rng::Rng;
 use reap_imatrix::formats::trace::TraceHeader;
 use reap_imatrix::llama::{sys, TensorInfo};
@@ -130,13 +130,13 @@ fn ubatch(c: &mut ReapCollector, trace: &mut TraceRows, layers: &[Layer], e: usi
     trace.add_ubatch(&header.layout(), &mut c.routing, &sources);
 }
 
-/// The writer thread's part: the ubatch's rows ordered and encoded, its routing set recycled.
-fn encode(trace: &mut TraceRows, buf: &mut Vec<u8>) {
+/// The writer thread's part: the ubatch's rows ordered and encoded (on `pool`'s threads where
+/// given, as where layers are offloaded), its routing set recycled.
+fn encode(trace: &mut TraceRows, buf: &mut Vec<u8>, pool: Option<&Pool>) {
     buf.clear();
-    for u in std::mem::take(&mut trace.pending) {
-        u.encode(buf).unwrap();
-        trace.spare.push(u.into_spare());
-    }
+    let pending = std::mem::take(&mut trace.pending);
+    encode_ubatches(&pending, pool, buf).unwrap();
+    trace.spare.extend(pending.into_iter().map(|u| u.into_spare()));
     trace.rows = 0;
 }
 
@@ -171,7 +171,9 @@ fn main() {
     println!("host collection per ubatch: {n_layer} layers, {e} experts top-{k}, {t} tokens, trace top-{n}; medians of {runs}");
     let mut results = Vec::new();
     let mut buf = Vec::new();
-    for (device, with_trace) in [(false, true), (true, true), (true, false)] {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let writer_pool = Pool::new(cores);
+    for (device, with_trace, pool) in [(false, true, None), (true, true, None), (true, true, Some(&writer_pool)), (true, false, None)] {
         let mut c = ReapCollector::new();
         let mut trace = TraceRows::new(n, if with_trace { u64::MAX } else { 0 });
         // warm-up, then runs: (in the callback, on the writer thread)
@@ -180,7 +182,7 @@ fn main() {
                 let t0 = Instant::now();
                 ubatch(&mut c, &mut trace, &layers, e, k, t, n, device);
                 let t1 = Instant::now();
-                encode(&mut trace, &mut buf);
+                encode(&mut trace, &mut buf, pool);
                 ((t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64())
             })
             .skip(1)
@@ -190,11 +192,12 @@ fn main() {
         // the probabilities whole (4 × e) or the selected ones and the candidates (4k + 8(n+1))
         let per_layer = 16 * k + if !device { 4 * e } else if with_trace { 4 * k + 8 * (n + 1) } else { 4 * k };
         println!(
-            "  {:<16} callback {:7.2} ms per ubatch ({:5.3} us per token-layer), trace encoding {:7.2} ms; {} bytes read per token",
-            match (device, with_trace) {
-                (false, _) => "whole",
-                (true, true) => "device",
-                (true, false) => "device, no trace",
+            "  {:<18} callback {:7.2} ms per ubatch ({:5.3} us per token-layer), trace encoding {:7.2} ms; {} bytes read per token",
+            match (device, with_trace, pool) {
+                (false, _, _) => "whole".to_string(),
+                (true, true, None) => "device".to_string(),
+                (true, true, Some(p)) => format!("device, {} enc.", p.threads()),
+                (true, false, _) => "device, no trace".to_string(),
             },
             cb * 1e3,
             cb * 1e6 / (t * n_layer) as f64,
@@ -208,13 +211,13 @@ fn main() {
         results[1].0 / results[0].0,
         (results[1].0 + results[1].1) / (results[0].0 + results[0].1)
     );
+    println!("  trace encoding on 1 / {cores} threads: {:.2}x", results[1].1 / results[2].1);
 
     // the exact imatrix: one layer's inputs (the same for every layer), routed as the
     // probabilities above route layer 0
     let x: Vec<f32> = (0..n_embd * t).map(|_| rng.normal() as f32).collect();
     let down: Vec<f32> = (0..ffn * k * t).map(|_| rng.normal() as f32).collect();
     let (x, down, ids) = (bytes_f32(&x), bytes_f32(&down), layers[0].topk.clone());
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let mut medians = Vec::new();
     for threads in [1, cores] {
         let cfg = ImatrixConfig { chunk_size: i32::MAX, out_freq: 1, save_freq: 0, process_output: false };

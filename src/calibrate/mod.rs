@@ -233,6 +233,10 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     if offloaded && threads > 1 {
         collector.pool = Some(crate::collect::pool::Pool::new(threads as usize));
     }
+    // the trace's rows are encoded on as many threads where offloaded (a fast device could
+    // outrun one); REAP_WRITER_THREADS sets it
+    let writer_threads = std::env::var("REAP_WRITER_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&t| t > 0);
+    let writer_threads = writer_threads.unwrap_or(if offloaded { threads as usize } else { 1 });
     let mut observer = CalibrationObserver::new(collector, reap);
     observer.expert_stats_on_device = device_stats;
     observer.defer = defer;
@@ -251,7 +255,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     }
     let mut out = Outputs {
         plan: &plan,
-        writer: Writer::spawn(),
+        writer: Writer::spawn_with(writer_threads),
         trace_started: false,
         model_block: metadata::model_block(&model, &model_path, model_size, None),
         corpus_block: json!({
@@ -278,7 +282,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
                 return Err(w.err().unwrap_or(e).context("the run stopped; earlier checkpoints are left as they were"));
             }
             return Err(e.context(match w {
-                Ok(()) => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
+                Ok(_) => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
                 Err(we) => format!("and writing the last checkpoint failed too: {we:#}"),
             }));
         }
@@ -303,7 +307,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
             _ => eprintln!("notice: {} is a dense model (no MoE layers): imatrix only, no saliency JSON", model_path.display()),
         }
     }
-    out.writer.finish()?;
+    let written = out.writer.finish()?;
     let mut extra = Vec::new();
     if let Some(p) = plan.reap_out.as_ref().filter(|p| p.is_file()) {
         extra.push(("reap", p.clone()));
@@ -349,6 +353,15 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
             format!("; expert statistics read {stats}; router {}", obs.router_summary())
         };
         eprintln!("collection: {:.1} MiB copied from device buffers ({} bytes per token{reap})", copied as f64 / (1u64 << 20) as f64, copied / tokens);
+    }
+    if plan.args.trace_out.is_some() {
+        eprintln!(
+            "collection: trace rows ordered and encoded on {} writer thread{} in {:.3} s; the compute waited {:.3} s for the writer's queue",
+            written.threads,
+            if written.threads == 1 { "" } else { "s" },
+            written.encoding.as_secs_f64(),
+            written.blocked.as_secs_f64()
+        );
     }
     eprintln!("imatrix written to {}", plan.args.output_file.display());
     if let (Some(p), Some(s)) = (&plan.reap_out, ctx.observer().saliency().filter(|s| !s.layers.is_empty())) {

@@ -10,7 +10,9 @@ use crate::collect::trace_rows::PendingUbatch;
 use crate::formats::trace::{TraceFile, TraceHeader};
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 use std::thread::JoinHandle;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +44,22 @@ pub struct Writer {
     recycled: Receiver<Vec<LayerRouting>>,
     /// the first write error, as soon as it happens, for the compute thread to stop on
     failed: Arc<OnceLock<String>>,
+    /// nanoseconds the writer spent ordering and encoding trace rows
+    encoding: Arc<AtomicU64>,
+    threads: usize,
+    /// time the sender waited for room in the queue (the writer behind)
+    blocked: std::cell::Cell<Duration>,
+}
+
+/// What the writer did, for the run's summary.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WriterStats {
+    /// threads encoding the trace's rows
+    pub threads: usize,
+    /// time spent ordering and encoding them (the disk writes not counted)
+    pub encoding: Duration,
+    /// time the compute thread waited for room in the writer's queue
+    pub blocked: Duration,
 }
 
 /// The run stopped because a write failed; the writer's own error says which file and why.
@@ -57,14 +75,24 @@ impl std::error::Error for WriteFailed {}
 
 impl Writer {
     pub fn spawn() -> Writer {
+        Self::spawn_with(1)
+    }
+
+    /// A writer that encodes trace rows on `threads` threads in all (its own among them):
+    /// where layers are offloaded the host's cores wait with the device, and one thread's
+    /// encoding could fall behind a fast device.
+    pub fn spawn_with(threads: usize) -> Writer {
         let (tx, rx) = bounded::<Job>(8);
         // a few batches of ubatches in flight
         let (back_tx, recycled) = bounded::<Vec<LayerRouting>>(32);
         let failed = Arc::new(OnceLock::new());
         let seen = failed.clone();
+        let encoding = Arc::new(AtomicU64::new(0));
+        let encoding_seen = encoding.clone();
         let handle = std::thread::Builder::new()
             .name("reap-writer".into())
             .spawn(move || -> Result<()> {
+                let pool = (threads > 1).then(|| crate::collect::pool::Pool::new(threads));
                 let mut first_err: Option<anyhow::Error> = None;
                 let mut trace: Option<TraceFile> = None;
                 let mut rows = Vec::new();
@@ -75,7 +103,7 @@ impl Writer {
                     if first_err.is_some() {
                         continue;
                     }
-                    if let Err(e) = run_job(job, &mut trace, &mut rows, &back_tx) {
+                    if let Err(e) = run_job(job, &mut trace, &mut rows, &back_tx, pool.as_ref(), &encoding_seen) {
                         let _ = seen.set(format!("{e:#}"));
                         first_err = Some(e);
                     }
@@ -83,7 +111,7 @@ impl Writer {
                 first_err.map_or(Ok(()), Err)
             })
             .expect("spawning the writer thread");
-        Writer { tx: Some(tx), handle: Some(handle), recycled, failed }
+        Writer { tx: Some(tx), handle: Some(handle), recycled, failed, encoding, threads: threads.max(1), blocked: Default::default() }
     }
 
     /// The first write error so far (the run should stop), or None.
@@ -98,7 +126,10 @@ impl Writer {
 
     pub fn send(&self, job: Job) {
         if let Some(tx) = &self.tx {
-            if tx.send(job).is_err() {
+            let t0 = Instant::now();
+            let sent = tx.send(job);
+            self.blocked.set(self.blocked.get() + t0.elapsed());
+            if sent.is_err() {
                 // the thread is gone (it panicked): say so instead of waiting on it
                 let _ = self.failed.set("the writer thread ended unexpectedly".into());
             }
@@ -115,16 +146,18 @@ impl Writer {
         }
     }
 
-    /// Waits until everything queued is on disk; returns the first write error.
-    pub fn finish(mut self) -> Result<()> {
+    /// Waits until everything queued is on disk; returns the first write error, else what the
+    /// writer did.
+    pub fn finish(mut self) -> Result<WriterStats> {
         self.tx.take();
+        let stats = |w: &Writer| WriterStats { threads: w.threads, encoding: Duration::from_nanos(w.encoding.load(Ordering::Relaxed)), blocked: w.blocked.get() };
         match self.handle.take().map(|h| h.join()) {
-            Some(Ok(r)) => r,
+            Some(Ok(r)) => r.map(|()| stats(&self)),
             Some(Err(p)) => {
                 let why = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default();
                 Err(anyhow::anyhow!("the writer thread panicked: {why}"))
             }
-            None => Ok(()),
+            None => Ok(stats(&self)),
         }
     }
 }
@@ -138,7 +171,7 @@ impl Drop for Writer {
     }
 }
 
-fn run_job(job: Job, trace: &mut Option<TraceFile>, rows: &mut Vec<u8>, back: &Sender<Vec<LayerRouting>>) -> Result<()> {
+fn run_job(job: Job, trace: &mut Option<TraceFile>, rows: &mut Vec<u8>, back: &Sender<Vec<LayerRouting>>, pool: Option<&crate::collect::pool::Pool>, encoding: &AtomicU64) -> Result<()> {
     match job {
         Job::Imatrix { path, state, format, prompt_file, chunk_size, progress_at } => {
             match format {
@@ -162,8 +195,10 @@ fn run_job(job: Job, trace: &mut Option<TraceFile>, rows: &mut Vec<u8>, back: &S
         Job::TraceUbatches { ubatches, n } => {
             let Some(t) = trace.as_mut() else { anyhow::bail!("trace rows before the trace file was created") };
             rows.clear();
+            let t0 = Instant::now();
+            crate::collect::trace_rows::encode_ubatches(&ubatches, pool, rows).map_err(|e| anyhow::anyhow!("{e}"))?;
+            encoding.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             for u in ubatches {
-                u.encode(rows).map_err(|e| anyhow::anyhow!("{e}"))?;
                 let _ = back.try_send(u.into_spare());
             }
             t.append(rows, n)

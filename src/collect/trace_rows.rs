@@ -149,18 +149,28 @@ impl TraceRows {
 impl PendingUbatch {
     /// Appends the encoded rows to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), String> {
+        let start = out.len();
+        out.resize(start + self.sources.len() * self.layout.size, 0);
+        self.encode_rows(0..self.sources.len(), &mut out[start..])
+    }
+
+    /// Encodes rows `rows` over `out` (`rows.len()` rows' bytes): each row depends on its own
+    /// token's routing alone, so parts of a ubatch can be encoded on different threads.
+    pub fn encode_rows(&self, rows: std::ops::Range<usize>, out: &mut [u8]) -> Result<(), String> {
         let (n_layers, k, n) = (self.routing.len(), self.layout.k, self.top_n);
         let (mut sel_w, mut sel_id) = (vec![0f32; n_layers * k], vec![0u16; n_layers * k]);
         let (mut cand_p, mut cand_id) = (vec![0f32; n_layers * n], vec![0u16; n_layers * n]);
         let mut order = Vec::new();
-        for (r, &(chunk, pos, token)) in self.sources.iter().enumerate() {
+        let row_out = out.chunks_exact_mut(self.layout.size);
+        for (r, out) in rows.zip(row_out) {
+            let (chunk, pos, token) = self.sources[r];
             for (li, lr) in self.routing.iter().enumerate() {
                 sel_w[li * k..(li + 1) * k].copy_from_slice(&lr.sel_weight[r * k..(r + 1) * k]);
                 sel_id[li * k..(li + 1) * k].copy_from_slice(&lr.sel_id[r * k..(r + 1) * k]);
                 let c = li * n..(li + 1) * n;
                 lr.candidates(r, &mut cand_id[c.clone()], &mut cand_p[c], &mut order).map_err(|e| format!("trace, MoE layer slot {li}: {e}"))?;
             }
-            self.layout.encode(&RowData { chunk, pos, token, phase: self.phase, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id }, out);
+            self.layout.encode_into(&RowData { chunk, pos, token, phase: self.phase, sel_weight: &sel_w, cand_prob: &cand_p, sel_id: &sel_id, cand_id: &cand_id }, out);
         }
         Ok(())
     }
@@ -171,6 +181,37 @@ impl PendingUbatch {
         r.iter_mut().for_each(LayerRouting::clear);
         r
     }
+}
+
+/// Rows encoded per part of [`encode_ubatches`]' job: enough to outweigh handing a part out.
+const ROWS_PER_PART: usize = 64;
+
+/// Appends the encoded rows of `ubatches`, in order, to `out`: on `pool`'s threads where there
+/// is one (parts of [`ROWS_PER_PART`] rows, each written to its own place: the same bytes as
+/// one thread writes). The first error in row order is returned.
+pub fn encode_ubatches(ubatches: &[PendingUbatch], pool: Option<&crate::collect::pool::Pool>, out: &mut Vec<u8>) -> Result<(), String> {
+    let Some(pool) = pool.filter(|p| p.threads() > 1) else {
+        return ubatches.iter().try_for_each(|u| u.encode(out));
+    };
+    let start = out.len();
+    out.resize(start + ubatches.iter().map(|u| u.sources.len() * u.layout.size).sum::<usize>(), 0);
+    // (ubatch, its rows, their bytes), in row order
+    let mut parts = Vec::new();
+    let mut rest = &mut out[start..];
+    for (ui, u) in ubatches.iter().enumerate() {
+        for first in (0..u.sources.len()).step_by(ROWS_PER_PART) {
+            let rows = first..(first + ROWS_PER_PART).min(u.sources.len());
+            let (bytes, tail) = std::mem::take(&mut rest).split_at_mut(rows.len() * u.layout.size);
+            rest = tail;
+            parts.push(std::sync::Mutex::new((ui, rows, bytes, Ok(()))));
+        }
+    }
+    pool.run(parts.len(), &|p| {
+        let mut part = parts[p].lock().unwrap_or_else(|e| e.into_inner());
+        let (ui, rows) = (part.0, part.1.clone());
+        part.3 = ubatches[ui].encode_rows(rows, part.2);
+    });
+    parts.into_iter().map(|p| p.into_inner().unwrap_or_else(|e| e.into_inner()).3).find(Result::is_err).unwrap_or(Ok(()))
 }
 
 /// The `n` most probable experts, best first; ties go to the lower id (probabilities in
@@ -266,6 +307,73 @@ mod tests {
                 assert_eq!((key_prob(k).to_bits(), k as u16), (p.to_bits(), e as u16));
             }
         }
+    }
+
+    /// A ubatch of `t` rows over `layers` MoE layers (8 experts top-2, trace top-3), the odd
+    /// layers read as on the device (candidates, tied rows read whole), with ties and repeats.
+    fn pending(rng: &mut crate::fixture::rng::Rng, t: usize, layers: usize, drop_tie_row: Option<usize>) -> PendingUbatch {
+        let (e, k, n) = (8usize, 2usize, 3usize);
+        let header = crate::formats::trace::TraceHeader { layers: (0..layers as u32).collect(), n_expert: e as u32, k: k as u32, top_n: n as u32, n_tokens: 0, flags: 0 };
+        let mut routing = Vec::new();
+        for l in 0..layers {
+            let mut lr = LayerRouting { n_tokens: t, on_device: l % 2 == 1, ..Default::default() };
+            for tok in 0..t {
+                // few distinct values: many ties
+                let row: Vec<f32> = (0..e).map(|_| rng.below(4) as f32 / 4.0).collect();
+                let mut order = Vec::new();
+                top_candidates(&row, n + 1, &mut order);
+                lr.sel_id.extend(order[..k].iter().copied());
+                lr.sel_weight.extend(order[..k].iter().map(|&i| row[i as usize]));
+                if !lr.on_device {
+                    lr.probs.extend_from_slice(&row);
+                    continue;
+                }
+                // in ggml's order (any): reversed
+                lr.raw_cand.extend(order.iter().rev().copied());
+                lr.raw_cand_p.extend(order.iter().rev().map(|&i| row[i as usize]));
+                let p = &lr.raw_cand_p[lr.raw_cand_p.len() - (n + 1)..];
+                if !crate::collect::reap::candidates_decide(p) && drop_tie_row != Some(tok) {
+                    lr.tie_rows.push((tok, row));
+                }
+            }
+            routing.push(lr);
+        }
+        let sources = (0..t as u32).map(|i| (i / 7, i, 1000 + i as i32)).collect();
+        PendingUbatch { layout: header.layout(), top_n: n, phase: 0, routing, sources }
+    }
+
+    /// Rows encoded in parts on a pool are the bytes one thread writes, across ubatches of
+    /// sizes around the part size; and the first error in row order is the one returned.
+    #[test]
+    fn rows_encoded_on_a_pool_are_the_serial_bytes() {
+        let mut rng = crate::fixture::rng::Rng::new(11);
+        let ubatches: Vec<PendingUbatch> = [1, 63, 64, 65, 200, 3].iter().map(|&t| pending(&mut rng, t, 3, None)).collect();
+        assert!(ubatches.iter().flat_map(|u| &u.routing).any(|lr| !lr.tie_rows.is_empty()), "no tied rows: the test tests less");
+        let mut serial = vec![9u8; 5];
+        for u in &ubatches {
+            u.encode(&mut serial).unwrap();
+        }
+        let rows: usize = ubatches.iter().map(|u| u.sources.len()).sum();
+        assert_eq!(serial.len(), 5 + rows * ubatches[0].layout.size);
+        let pool = crate::collect::pool::Pool::new(3);
+        for p in [None, Some(&pool)] {
+            let mut out = vec![9u8; 5];
+            encode_ubatches(&ubatches, p, &mut out).unwrap();
+            assert!(out == serial, "pool {}", p.is_some());
+        }
+        // a tied row not read whole, late in the second ubatch and in the fourth: the first wins
+        let mut rng = crate::fixture::rng::Rng::new(11);
+        let mut bad: Vec<PendingUbatch> = Vec::new();
+        for (i, t) in [1usize, 63, 64, 65].into_iter().enumerate() {
+            let probe = pending(&mut rng.clone(), t, 3, None);
+            let tied = probe.routing[1].tie_rows.iter().map(|r| r.0).last();
+            bad.push(pending(&mut rng, t, 3, if i == 1 || i == 3 { tied } else { None }));
+        }
+        let mut one = Vec::new();
+        let want = bad.iter().try_for_each(|u| u.encode(&mut one)).unwrap_err();
+        let mut out = Vec::new();
+        assert_eq!(encode_ubatches(&bad, Some(&pool), &mut out).unwrap_err(), want);
+        assert!(want.contains("tie"), "{want}");
     }
 
     #[test]

@@ -150,15 +150,27 @@ impl RowLayout {
     /// Appends one encoded row to `out`.
     pub fn encode(&self, r: &RowData, out: &mut Vec<u8>) {
         let start = out.len();
-        out.extend_from_slice(&r.chunk.to_le_bytes());
-        out.extend_from_slice(&r.pos.to_le_bytes());
-        out.extend_from_slice(&r.token.to_le_bytes());
-        out.extend_from_slice(&r.phase.to_le_bytes());
-        out.extend(r.sel_weight.iter().flat_map(|v| v.to_le_bytes()));
-        out.extend(r.cand_prob.iter().flat_map(|v| v.to_le_bytes()));
-        out.extend(r.sel_id.iter().flat_map(|v| v.to_le_bytes()));
-        out.extend(r.cand_id.iter().flat_map(|v| v.to_le_bytes()));
         out.resize(start + self.size, 0);
+        self.encode_into(r, &mut out[start..]);
+    }
+
+    /// Writes one encoded row over `out` (`size` bytes; the padding zeroed).
+    pub fn encode_into(&self, r: &RowData, out: &mut [u8]) {
+        let out = &mut out[..self.size];
+        for (i, v) in [r.chunk, r.pos, r.token as u32, r.phase].into_iter().enumerate() {
+            out[4 * i..4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        fn put<const N: usize, T: Copy>(out: &mut [u8], at: usize, v: &[T], le: impl Fn(T) -> [u8; N]) -> usize {
+            for (d, &x) in out[at..at + N * v.len()].chunks_exact_mut(N).zip(v) {
+                d.copy_from_slice(&le(x));
+            }
+            at + N * v.len()
+        }
+        let at = put(out, 16, r.sel_weight, f32::to_le_bytes);
+        let at = put(out, at, r.cand_prob, f32::to_le_bytes);
+        let at = put(out, at, r.sel_id, u16::to_le_bytes);
+        let at = put(out, at, r.cand_id, u16::to_le_bytes);
+        out[at..].fill(0);
     }
 }
 

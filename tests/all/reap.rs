@@ -365,8 +365,10 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
     let server = RpcServer::start();
     let model = fixture("qwen3moe");
     for mode in [&[][..], &["--imatrix-on-device"][..]] {
-        let go_env = |defer: &str, prefetch: &str, overlap: &str, stream: &str| {
-            let d = temp_dir(&format!("deferred-{defer}-{prefetch}-{overlap}-{stream}-{}", mode.len()));
+        // REAP_STREAM and REAP_WRITER_THREADS (the trace's rows encoded on 1 thread or, the
+        // default offloaded, on -t's 2)
+        let go_env = |defer: &str, prefetch: &str, overlap: &str, stream: &str, writers: &str| {
+            let d = temp_dir(&format!("deferred-{defer}-{prefetch}-{overlap}-{stream}-{writers}-{}", mode.len()));
             let out = run_ok(
                 Command::new(ours())
                     .current_dir(&d)
@@ -374,6 +376,7 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
                     .env("REAP_PREFETCH", prefetch)
                     .env("REAP_OVERLAP", overlap)
                     .env("REAP_STREAM", stream)
+                    .env("REAP_WRITER_THREADS", writers)
                     .arg("-m")
                     .arg(&model)
                     .arg("-f")
@@ -386,9 +389,11 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
             let count = |after: &str| -> Option<u64> { err.split(after).next().filter(|s| s.len() < err.len())?.rsplit(' ').next()?.parse().ok() };
             let read_at_end = count(" nodes read at the end of their graph").unwrap_or_else(|| panic!("no deferred-read count:\n{err}"));
             let copies = (count(" batches, "), count(" waits, "));
+            let encoders = count(" writer thread").unwrap_or_else(|| panic!("no writer line:\n{err}"));
+            assert_eq!(encoders.to_string(), if writers.is_empty() { "2" } else { writers }, "{err}");
             (d, read_at_end, count(" reduction graphs run"), copies, count(" of them while REAP's reads were copied and summed"))
         };
-        let go = |defer: &str, prefetch: &str, overlap: &str| go_env(defer, prefetch, overlap, "1");
+        let go = |defer: &str, prefetch: &str, overlap: &str| go_env(defer, prefetch, overlap, "1", "");
         let (deferred, n, batched, copies, overlapped) = go("1", "1", "1");
         let (one_at_a_time, n1, _, no_copies, _) = go("1", "0", "1");
         let (by_node, zero, one_by_one, _, not_overlapped) = go("0", "1", "1");
@@ -401,8 +406,9 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
         let (Some(batches), Some(waits)) = copies else { panic!("{mode:?}: no batch and wait counts") };
         assert_eq!((batches, no_copies), (12, (None, None)), "{mode:?}");
         assert!(waits > 12, "{mode:?}: {waits} waits for 12 batches: the reads did not wait copy by copy");
-        // REAP_STREAM=0: each batch waited for whole, before its reads
-        let (whole, n3, _, whole_copies, _) = go_env("1", "1", "1", "0");
+        // REAP_STREAM=0: each batch waited for whole, before its reads; the trace encoded on
+        // one thread
+        let (whole, n3, _, whole_copies, _) = go_env("1", "1", "1", "0", "1");
         assert_eq!((n3, whole_copies), (n, (Some(12), Some(12))), "{mode:?}");
         if !mode.is_empty() {
             // 6 chunks of 2 ubatches; per ubatch and layer 5 weights of their own input (q, o,
