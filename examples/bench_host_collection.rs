@@ -12,9 +12,11 @@
 //!   leaves them: nearly sorted), ordered on the host.
 //!
 //! Both get patch 0001's per-slot norms and maxima (offloaded); the device path is also timed
-//! without a trace (REAP sums alone). Prints medians per ubatch of the callback's part (the
-//! collectors; the trace's rows are moved out, not encoded) and of the writer thread's part
-//! (candidates ordered, rows encoded), and the bytes each path reads per token.
+//! without a trace (REAP sums alone), and both on every core: each layer's reads on one of the
+//! callback's threads, the rows encoded on the writer's. Prints medians per ubatch of the
+//! callback's part (the collectors; the trace's rows are moved out, not encoded) and of the
+//! writer thread's part (candidates ordered, rows encoded), and the bytes each path reads per
+//! token.
 //!
 //! Then the exact imatrix's host work per ubatch (offloaded, each collected matmul input is
 //! copied and its Σx² summed in the callback): per layer the inputs of q (k and v share it),
@@ -25,7 +27,7 @@
 use reap_imatrix::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig};
 use reap_imatrix::llama::reduce::Reduced;
 use reap_imatrix::collect::pool::Pool;
-use reap_imatrix::collect::reap::ReapCollector;
+use reap_imatrix::collect::reap::{LayerRead, LayerReadKind, ReapCollector};
 use reap_imatrix::collect::trace_rows::{encode_ubatches, top_candidates, TraceRows};
 use reap_imatrix::fixture::rng::Rng;
 use reap_imatrix::formats::trace::TraceHeader;
@@ -98,10 +100,34 @@ fn info(name: &str, ne: [i64; 4], ty: sys::ggml_type) -> TensorInfo<'_> {
     TensorInfo { name, op: 0, ty, ne, nb }
 }
 
-fn ubatch(c: &mut ReapCollector, trace: &mut TraceRows, layers: &[Layer], e: usize, k: usize, t: usize, n: usize, device: bool) {
+/// One ubatch's reads, layer after layer, or (`by_layer`, the device path) each layer's on
+/// one of the pool's threads, as the observer makes them with `--imatrix-on-device`.
+fn ubatch(c: &mut ReapCollector, trace: &mut TraceRows, layers: &[Layer], e: usize, k: usize, t: usize, n: usize, device: bool, by_layer: Option<&Pool>) {
     let (ei, ki, ti, ni) = (e as i64, k as i64, t as i64, n as i64);
     let f32t = sys::GGML_TYPE_F32;
-    for (l, d) in layers.iter().enumerate() {
+    if let Some(pool) = by_layer {
+        let mut reads = Vec::new();
+        for (l, d) in layers.iter().enumerate() {
+            let s = c.slot_for(l, e, k).unwrap();
+            c.on_probs_on_device(s, &info("ffn_moe_probs", [ei, ti, 1, 1], f32t)).unwrap();
+            fn read<'a>(kind: LayerReadKind, t: TensorInfo<'a>, data: &'a [u8]) -> LayerRead<'a> {
+                LayerRead { kind, t, data: std::borrow::Cow::Borrowed(data), from: "f" }
+            }
+            let mut r = Vec::new();
+            if trace.limit > 0 {
+                r.push(read(LayerReadKind::CandIds, info("ffn_moe_cand", [ni + 1, ti, 1, 1], sys::GGML_TYPE_I32), &d.cand));
+                r.push(read(LayerReadKind::CandProbs, info("ffn_moe_cand_p", [1, ni + 1, ti, 1], f32t), &d.cand_p));
+            }
+            r.push(read(LayerReadKind::Topk, info("ffn_moe_topk", [ki, ti, 1, 1], sys::GGML_TYPE_I32), &d.topk));
+            r.push(read(LayerReadKind::SelProbs, info("ffn_moe_weights", [1, ki, ti, 1], f32t), &d.sel_p));
+            r.push(read(LayerReadKind::Norms, info("n", [1, ki, ti, 1], f32t), &d.norms));
+            r.push(read(LayerReadKind::Maxes, info("m", [1, ki, ti, 1], f32t), &d.maxes));
+            r.push(read(LayerReadKind::Weighted, info("g", [1, ki, ti, 1], f32t), &d.g));
+            reads.push(r);
+        }
+        assert!(c.read_layers(reads, pool).unwrap().is_empty());
+    }
+    for (l, d) in layers.iter().enumerate().filter(|_| by_layer.is_none()) {
         let s = c.slot_for(l, e, k).unwrap();
         let p = info("ffn_moe_probs", [ei, ti, 1, 1], f32t);
         if !device {
@@ -173,14 +199,17 @@ fn main() {
     let mut buf = Vec::new();
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let writer_pool = Pool::new(cores);
-    for (device, with_trace, pool) in [(false, true, None), (true, true, None), (true, true, Some(&writer_pool)), (true, false, None)] {
+    // the callback's pool, as with layers offloaded (-t's threads; these are the cores here)
+    let layer_pool = Pool::new(cores);
+    let paths = [(false, true, None, None), (true, true, None, None), (true, true, Some(&writer_pool), Some(&layer_pool)), (true, false, None, None), (true, false, None, Some(&layer_pool))];
+    for (device, with_trace, pool, by_layer) in paths {
         let mut c = ReapCollector::new();
         let mut trace = TraceRows::new(n, if with_trace { u64::MAX } else { 0 });
         // warm-up, then runs: (in the callback, on the writer thread)
         let times: Vec<(f64, f64)> = (0..=runs)
             .map(|_| {
                 let t0 = Instant::now();
-                ubatch(&mut c, &mut trace, &layers, e, k, t, n, device);
+                ubatch(&mut c, &mut trace, &layers, e, k, t, n, device, by_layer);
                 let t1 = Instant::now();
                 encode(&mut trace, &mut buf, pool);
                 ((t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64())
@@ -193,11 +222,12 @@ fn main() {
         let per_layer = 16 * k + if !device { 4 * e } else if with_trace { 4 * k + 8 * (n + 1) } else { 4 * k };
         println!(
             "  {:<18} callback {:7.2} ms per ubatch ({:5.3} us per token-layer), trace encoding {:7.2} ms; {} bytes read per token",
-            match (device, with_trace, pool) {
+            match (device, with_trace, by_layer) {
                 (false, _, _) => "whole".to_string(),
                 (true, true, None) => "device".to_string(),
-                (true, true, Some(p)) => format!("device, {} enc.", p.threads()),
-                (true, false, _) => "device, no trace".to_string(),
+                (true, true, Some(p)) => format!("device, {} threads", p.threads()),
+                (true, false, None) => "device, no trace".to_string(),
+                (true, false, Some(p)) => format!("  no trace, {} thr.", p.threads()),
             },
             cb * 1e3,
             cb * 1e6 / (t * n_layer) as f64,
@@ -211,7 +241,12 @@ fn main() {
         results[1].0 / results[0].0,
         (results[1].0 + results[1].1) / (results[0].0 + results[0].1)
     );
-    println!("  trace encoding on 1 / {cores} threads: {:.2}x", results[1].1 / results[2].1);
+    println!(
+        "  on 1 / {cores} threads (layers in the callback, rows on the writer): callback {:.2}x, trace encoding {:.2}x; no trace, callback {:.2}x",
+        results[1].0 / results[2].0,
+        results[1].1 / results[2].1,
+        results[3].0 / results[4].0
+    );
 
     // the exact imatrix: one layer's inputs (the same for every layer), routed as the
     // probabilities above route layer 0

@@ -233,10 +233,10 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     if offloaded && threads > 1 {
         collector.pool = Some(crate::collect::pool::Pool::new(threads as usize));
     }
-    // the trace's rows are encoded on as many threads where offloaded (a fast device could
-    // outrun one); REAP_WRITER_THREADS sets it
+    // the trace's rows are encoded on the prompt's threads where offloaded (a fast device
+    // could outrun one); REAP_WRITER_THREADS sets it
     let writer_threads = std::env::var("REAP_WRITER_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&t| t > 0);
-    let writer_threads = writer_threads.unwrap_or(if offloaded { threads as usize } else { 1 });
+    let writer_threads = writer_threads.unwrap_or(if offloaded { prompt_threads.max(1) as usize } else { 1 });
     let mut observer = CalibrationObserver::new(collector, reap);
     observer.expert_stats_on_device = device_stats;
     observer.defer = defer;
@@ -248,6 +248,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     if plan.args.imatrix_on_device {
         observer.reducer = Some(crate::llama::reduce::DeviceReducer::default());
         observer.overlap = crate::llama::expert_stats::overlap_wanted(defer);
+        observer.reap_by_layer = std::env::var("REAP_PARALLEL_LAYERS").map_or(true, |v| v != "0");
     }
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
     if plan.n_kv > model.n_ctx_train() {
@@ -331,7 +332,8 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     );
     if let Some(r) = &ctx.observer().reducer {
         let o = ctx.observer();
-        let overlapped = if o.overlapped_reads > 0 { format!(", {} of them while REAP's reads were copied and summed", o.overlapped_reads) } else { String::new() };
+        let by_layer = if o.reap_by_layer_reads > 0 { format!(" ({} with REAP's layers summed on {} threads)", o.reap_by_layer_reads, o.imatrix.pool.as_ref().map_or(1, |p| p.threads())) } else { String::new() };
+        let overlapped = if o.overlapped_reads > 0 { format!(", {} of them while REAP's reads were copied and summed{by_layer}", o.overlapped_reads) } else { String::new() };
         eprintln!(
             "collection: --imatrix-on-device copied {} bytes of sums in {} drains ({:.3} s copying and adding them); {} reduction graphs run ({} operations){overlapped}",
             r.bytes_out,

@@ -2,7 +2,7 @@
 //! to the collectors (imatrix always; REAP and the trace rows unless `--no-reap`).
 
 use crate::collect::imatrix::{self, ImatrixCollector, SaveRequest};
-use crate::collect::reap::{layer_of, ReapCollector};
+use crate::collect::reap::{layer_of, LayerRead, LayerReadKind, ReapCollector};
 use crate::collect::trace_rows::TraceRows;
 use crate::llama::{sys, GraphObserver, Node};
 
@@ -93,6 +93,11 @@ pub struct CalibrationObserver {
     pub overlap: bool,
     /// graph ends read that way
     pub overlapped_reads: u64,
+    /// with `overlap`, where the exact imatrix's pool is there and no `--domains`: REAP's reads
+    /// of a graph's end made layer by layer on the pool's threads (`REAP_PARALLEL_LAYERS=0`:
+    /// on the callback's thread); graph ends read so
+    pub reap_by_layer: bool,
+    pub reap_by_layer_reads: u64,
     /// `--imatrix-on-device`: times the device sums were added into the imatrix, and the time
     pub drains: u64,
     pub drain_busy: std::time::Duration,
@@ -190,6 +195,8 @@ impl CalibrationObserver {
             prefetch: None,
             overlap: false,
             overlapped_reads: 0,
+            reap_by_layer: false,
+            reap_by_layer_reads: 0,
             drains: 0,
             drain_busy: std::time::Duration::ZERO,
             imatrix_on_host: false,
@@ -342,15 +349,10 @@ impl CalibrationObserver {
                 Some(s) => r.sums.on_expert_out(s, &t, data),
             }
         } else if let Some(block) = layer_of(name, WEIGHTED) {
-            let (Some(f), Some(g)) = (node.src(0), node.src(1)) else { return self.fail(format!("{name}: no sources")) };
-            if f.info().op == sys::GGML_OP_REPEAT {
-                return self.fail(format!(
-                    "{name}: this architecture weights the experts' inputs, not their outputs; REAP saliency is not defined for it here (use --no-reap)"
-                ));
-            }
-            if r.weights_node.is_none() {
-                r.weights_node = Some(imatrix::filter_tensor_name(g.name()).to_string());
-            }
+            let (f, g) = match weighting_sources(r, node) {
+                Ok(fg) => fg,
+                Err(e) => return self.fail(e),
+            };
             match r.sums.slot(block) {
                 None => Err(format!("{name}: routing of layer {block} was not seen first")),
                 Some(s) => {
@@ -490,6 +492,30 @@ impl ReapState {
             flags: if normalised { crate::formats::trace::FLAG_NORMALISED } else { 0 },
         })
     }
+}
+
+/// `ffn_moe_weighted-L`'s expert outputs and gates (src0, src1), where the architecture weights
+/// the outputs; the gates' node is noted for the metadata.
+fn weighting_sources<'a>(r: &mut ReapState, node: Node<'a>) -> Result<(Node<'a>, Node<'a>), String> {
+    let name = node.name();
+    let (Some(f), Some(g)) = (node.src(0), node.src(1)) else { return Err(format!("{name}: no sources")) };
+    if f.info().op == sys::GGML_OP_REPEAT {
+        return Err(format!(
+            "{name}: this architecture weights the experts' inputs, not their outputs; REAP saliency is not defined for it here (use --no-reap)"
+        ));
+    }
+    if r.weights_node.is_none() {
+        r.weights_node = Some(imatrix::filter_tensor_name(g.name()).to_string());
+    }
+    Ok((f, g))
+}
+
+/// The kind and MoE layer (block) of a node REAP reads at a graph's end, from its name (the
+/// probabilities aside).
+fn layer_read_kind(name: &str) -> Option<(LayerReadKind, usize)> {
+    use LayerReadKind::*;
+    let by_prefix = [(SEL_PROBS, SelProbs), (CAND, CandIds), (CAND_P, CandProbs), (TOPK, Topk), (EXPERT_NORM, Norms), (EXPERT_MAX, Maxes), (WEIGHTED, Weighted)];
+    by_prefix.iter().find_map(|&(p, k)| Some((k, layer_of(name, p)?))).or_else(|| Some((ExpertOut, expert_out_layer(name)?)))
 }
 
 fn is_reap_node(node: Node<'_>) -> bool {
@@ -712,12 +738,19 @@ impl CalibrationObserver {
             self.reducer.as_mut().unwrap().wait();
             return false;
         }
-        for p in reap_nodes {
-            // SAFETY: as above.
-            let Some(node) = (unsafe { Node::from_raw(p) }) else { continue };
-            if !self.observe_reap(node) {
-                ok = false;
-                break;
+        let by_layer = self.reap_by_layer
+            && self.imatrix.pool.as_ref().is_some_and(|p| p.threads() > 1)
+            && self.reap.as_ref().is_some_and(|r| r.sums.domains.is_none());
+        if by_layer {
+            ok = self.observe_reap_by_layer(&reap_nodes);
+        } else {
+            for p in reap_nodes {
+                // SAFETY: as above.
+                let Some(node) = (unsafe { Node::from_raw(p) }) else { continue };
+                if !self.observe_reap(node) {
+                    ok = false;
+                    break;
+                }
             }
         }
         if let Some(pf) = self.prefetch.as_mut() {
@@ -726,6 +759,72 @@ impl CalibrationObserver {
         // before the callback returns: the reductions read the graph's tensors
         self.reducer.as_mut().unwrap().wait();
         ok
+    }
+
+    /// REAP's part of [`Self::read_deferred_overlapped`] on the pool's threads, one MoE layer
+    /// each: the layers' collectors touch nothing of each other, and each layer's reads are
+    /// made in graph order, so the sums and rows are the bytes of [`Self::observe_reap`] node
+    /// by node. On this thread first, in graph order: each layer's probabilities node (it makes
+    /// the layer's slot), the checks that need the graph, and the bytes (staged copies are found
+    /// on this thread); after: the rows the candidates did not decide, read from the device.
+    fn observe_reap_by_layer(&mut self, nodes: &[*mut sys::ggml_tensor]) -> bool {
+        let mut reads: Vec<Vec<LayerRead<'_>>> = Vec::new();
+        for &p in nodes {
+            // SAFETY: nodes of the graph being computed, their data kept by patch 0002 and
+            // staged until the caller releases the batch.
+            let Some(node) = (unsafe { Node::from_raw(p) }) else { continue };
+            let name = node.name();
+            if layer_of(name, PROBS).is_some() {
+                if !self.observe_reap(node) {
+                    return false;
+                }
+                continue;
+            }
+            let Some((kind, block)) = layer_read_kind(name) else {
+                // nothing else is read at a graph's end; were it, it would be read in order here
+                if !self.observe_reap(node) {
+                    return false;
+                }
+                continue;
+            };
+            let r = self.reap.as_mut().unwrap();
+            let Some(slot) = r.sums.slot(block) else {
+                let e = if kind == LayerReadKind::Topk { format!("{name} came before ffn_moe_probs-{block}") } else { format!("{name}: routing of layer {block} was not seen first") };
+                return self.fail(format!("{e} (chunk {})", self.chunk));
+            };
+            let (mut t, mut data_of, mut from) = (node, node, "");
+            if kind == LayerReadKind::Norms {
+                let Some(f) = stats_source(node) else { return self.fail(format!("{name}: not computed from an expert output")) };
+                from = imatrix::filter_tensor_name(f.name());
+            } else if kind == LayerReadKind::Weighted {
+                let (f, g) = match weighting_sources(r, node) {
+                    Ok(fg) => fg,
+                    Err(e) => return self.fail(e),
+                };
+                (t, data_of, from) = (g, g, imatrix::filter_tensor_name(f.name()));
+            }
+            let data = match data_of.resident_bytes() {
+                Some(b) => std::borrow::Cow::Borrowed(b),
+                None => std::borrow::Cow::Owned(data_of.bytes(&mut self.scratch_a).to_vec()),
+            };
+            if reads.len() <= slot {
+                reads.resize_with(slot + 1, Vec::new);
+            }
+            reads[slot].push(LayerRead { kind, t: t.info(), data, from });
+        }
+        let pool = self.imatrix.pool.as_ref().unwrap();
+        let undecided = self.reap.as_mut().unwrap().sums.read_layers(reads, pool);
+        self.reap_by_layer_reads += 1;
+        let undecided = match undecided {
+            Ok(u) => u,
+            Err(e) => return self.fail(format!("{e} (chunk {})", self.chunk)),
+        };
+        for (slot, tokens) in undecided {
+            if let Err(e) = self.read_candidate_rows(slot, &tokens) {
+                return self.fail(format!("{e} (chunk {})", self.chunk));
+            }
+        }
+        true
     }
 
     /// The imatrix's part of [`Self::observe_timed`] for a node read at the end of its graph

@@ -174,8 +174,14 @@ pub struct ReapCollector {
     pub routing: Vec<LayerRouting>,
     /// per-domain sums (`--domains`); None without
     pub domains: Option<DomainSplit>,
-    /// the selected experts' router probabilities picked out of whole rows, reused
-    sel_prob_scratch: Vec<f32>,
+}
+
+/// One MoE layer's part of the collector: all that a ubatch's reads of that layer change (the
+/// run's token count and drops aside). Layers are independent, so their reads can be made on
+/// different threads ([`ReapCollector::read_layers`]).
+pub struct LayerPart<'a> {
+    pub sums: &'a mut LayerSums,
+    pub routing: &'a mut LayerRouting,
 }
 
 fn check_slot_stats(t: &TensorInfo, k: usize) -> Result<(), String> {
@@ -291,19 +297,81 @@ impl ReapCollector {
         Ok(())
     }
 
+    fn part(&mut self, slot: usize) -> LayerPart<'_> {
+        LayerPart { sums: &mut self.layers[slot], routing: &mut self.routing[slot] }
+    }
+
+    /// Every layer's part, by slot. Not with `--domains` (their sums span the layers).
+    fn parts(&mut self) -> Vec<LayerPart<'_>> {
+        assert!(self.domains.is_none(), "per-domain sums are added layer after layer");
+        self.layers.iter_mut().zip(self.routing.iter_mut()).map(|(sums, routing)| LayerPart { sums, routing }).collect()
+    }
+
+    // The reads of layer slot `slot`: [`LayerPart`]'s method of the same name.
+
+    pub fn on_sel_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        self.part(slot).on_sel_probs(t, data)
+    }
+
+    pub fn on_cand_ids(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        self.part(slot).on_cand_ids(t, data)
+    }
+
+    pub fn on_cand_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<Vec<usize>, String> {
+        self.part(slot).on_cand_probs(t, data)
+    }
+
+    /// A token's whole row of router probabilities, where its candidates do not decide (tokens
+    /// in ascending order).
+    pub fn on_cand_row(&mut self, slot: usize, tok: usize, row: &[f32]) {
+        self.routing[slot].tie_rows.push((tok, row.to_vec()));
+    }
+
+    pub fn on_topk(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        self.part(slot).on_topk(t, data)
+    }
+
+    pub fn on_expert_out(&mut self, slot: usize, f: &TensorInfo, f_data: &[u8]) -> Result<(), String> {
+        self.part(slot).on_expert_out(f, f_data)
+    }
+
+    pub fn on_expert_norms(&mut self, slot: usize, t: &TensorInfo, data: &[u8], from: &str) -> Result<(), String> {
+        self.part(slot).on_expert_norms(t, data, from)
+    }
+
+    pub fn on_expert_maxes(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        self.part(slot).on_expert_maxes(t, data)
+    }
+
+    /// `ffn_moe_weighted-L`: `g` = its src1 `[1, k, T]` (any strides); `f_name` its src0.
+    pub fn on_weighted(&mut self, slot: usize, f_name: &str, g: &TensorInfo, g_data: &[u8]) -> Result<(), String> {
+        let mut part = LayerPart { sums: &mut self.layers[slot], routing: &mut self.routing[slot] };
+        let n_tokens = part.check_weighted(f_name, g)?;
+        if slot == 0 {
+            self.tokens_seen += n_tokens as u64;
+            if let Some(d) = self.domains.as_mut() {
+                d.count_tokens(n_tokens)?;
+            }
+        }
+        self.nonfinite_drops += part.add_weighted(g, g_data, self.domains.as_mut().map(|d| (d, slot)));
+        Ok(())
+    }
+}
+
+impl LayerPart<'_> {
     /// `ffn_moe_weights-L` (`on_device`): the probabilities at the selected experts, `[1, k, T]`
     /// (a GET_ROWS of the probabilities: the same f32 values the host path picks out).
-    pub fn on_sel_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
-        read_slots(t, self.layers[slot].n_expert_used, data, &mut self.routing[slot].sel_prob)
+    pub fn on_sel_probs(&mut self, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        read_slots(t, self.sums.n_expert_used, data, &mut self.routing.sel_prob)
     }
 
     /// `ffn_moe_cand-L` (`on_device`): `[top_n + 1, T]` i32 expert ids, in no particular order.
-    pub fn on_cand_ids(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
-        let n_expert = self.layers[slot].n_expert;
+    pub fn on_cand_ids(&mut self, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        let n_expert = self.sums.n_expert;
         if t.ty != crate::llama::sys::GGML_TYPE_I32 || t.ne[0] < 2 {
             return Err(format!("{}: expected i32 [n, T] with n > 1, got type {} {:?}", t.name, t.ty, t.ne));
         }
-        let r = &mut self.routing[slot];
+        let r = &mut *self.routing;
         r.raw_cand.clear();
         let n = t.ne[0] as usize;
         for tok in 0..t.ne[1] {
@@ -333,8 +401,8 @@ impl ReapCollector {
     /// Returns the tokens whose candidates do not decide the top n - 1
     /// ([`candidates_decide`]): each needs [`Self::on_cand_row`] while the graph's probabilities
     /// are still there. The ordering itself is left to the trace's encoder.
-    pub fn on_cand_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<Vec<usize>, String> {
-        let r = &mut self.routing[slot];
+    pub fn on_cand_probs(&mut self, t: &TensorInfo, data: &[u8]) -> Result<Vec<usize>, String> {
+        let r = &mut *self.routing;
         let n = t.ne[1] as usize;
         let n_tokens = t.ne[2] as usize;
         if t.ne[0] != 1 || t.ty != crate::llama::sys::GGML_TYPE_F32 || n_tokens != r.n_tokens || r.raw_cand.len() != n * n_tokens {
@@ -363,22 +431,16 @@ impl ReapCollector {
         Ok(undecided)
     }
 
-    /// A token's whole row of router probabilities, where its candidates do not decide (tokens
-    /// in ascending order).
-    pub fn on_cand_row(&mut self, slot: usize, tok: usize, row: &[f32]) {
-        self.routing[slot].tie_rows.push((tok, row.to_vec()));
-    }
-
     /// `ffn_moe_topk-L`: `[k, T]` i32, read through its strides.
-    pub fn on_topk(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
-        if self.layers[slot].n_expert_used == 0 {
-            self.layers[slot].n_expert_used = t.ne[0] as usize;
+    pub fn on_topk(&mut self, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        if self.sums.n_expert_used == 0 {
+            self.sums.n_expert_used = t.ne[0] as usize;
         }
-        let (n_expert, k) = (self.layers[slot].n_expert, self.layers[slot].n_expert_used);
+        let (n_expert, k) = (self.sums.n_expert, self.sums.n_expert_used);
         if t.ne[0] as usize != k {
             return Err(format!("{}: expected {k} selected experts per token, got {:?}", t.name, t.ne));
         }
-        let r = &mut self.routing[slot];
+        let r = &mut *self.routing;
         r.sel_id.clear();
         if let Some(all) = dense_slots(t, k).filter(|_| t.ne[2] == 1) {
             // patch 0003's contiguous ids: one pass, checked after
@@ -402,13 +464,13 @@ impl ReapCollector {
     }
 
     /// `ffn_moe_down-L` and successors: `f` `[n_embd, k, T]` (any strides): ‖f‖₂ per slot.
-    pub fn on_expert_out(&mut self, slot: usize, f: &TensorInfo, f_data: &[u8]) -> Result<(), String> {
-        let k = self.layers[slot].n_expert_used;
+    pub fn on_expert_out(&mut self, f: &TensorInfo, f_data: &[u8]) -> Result<(), String> {
+        let k = self.sums.n_expert_used;
         if f.ne[1] as usize != k || f.ty != crate::llama::sys::GGML_TYPE_F32 {
             return Err(format!("{}: expected f32 [n_embd, {k}, T], got type {} {:?}", f.name, f.ty, f.ne));
         }
         let (n_embd, n_tokens) = (f.ne[0] as usize, f.ne[2] as usize);
-        let r = &mut self.routing[slot];
+        let r = &mut *self.routing;
         r.norms.clear();
         r.maxes.clear();
         r.norms_from = f.name.to_string();
@@ -434,10 +496,10 @@ impl ReapCollector {
     /// `ffn_moe_down_norm-L` (patch 0001): ‖f‖₂ per slot, `[1, k, T]` f32, computed on the
     /// device from the outputs named `from` (f32 sums there, so equal to `on_expert_out`'s to
     /// float rounding).
-    pub fn on_expert_norms(&mut self, slot: usize, t: &TensorInfo, data: &[u8], from: &str) -> Result<(), String> {
-        let k = self.layers[slot].n_expert_used;
+    pub fn on_expert_norms(&mut self, t: &TensorInfo, data: &[u8], from: &str) -> Result<(), String> {
+        let k = self.sums.n_expert_used;
         check_slot_stats(t, k)?;
-        let r = &mut self.routing[slot];
+        let r = &mut *self.routing;
         r.norms.clear();
         r.norms_from = from.to_string();
         if let Some(all) = dense_slots(t, k) {
@@ -453,58 +515,61 @@ impl ReapCollector {
     }
 
     /// `ffn_moe_down_max-L` (patch 0001): the largest element of each slot's output, `[1, k, T]`.
-    pub fn on_expert_maxes(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
-        read_slots(t, self.layers[slot].n_expert_used, data, &mut self.routing[slot].maxes)
+    pub fn on_expert_maxes(&mut self, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+        read_slots(t, self.sums.n_expert_used, data, &mut self.routing.maxes)
     }
 
-    /// `ffn_moe_weighted-L`: `g` = its src1 `[1, k, T]` (any strides); `f_name` its src0.
-    pub fn on_weighted(&mut self, slot: usize, f_name: &str, g: &TensorInfo, g_data: &[u8]) -> Result<(), String> {
-        let k = self.layers[slot].n_expert_used;
+    /// `ffn_moe_weighted-L`, before [`Self::add_weighted`]: whether `g` (its src1) and the
+    /// reads before it fit; the ubatch's tokens.
+    pub fn check_weighted(&self, f_name: &str, g: &TensorInfo) -> Result<usize, String> {
+        let k = self.sums.n_expert_used;
         let n_tokens = g.ne[2] as usize;
-        let r = &mut self.routing[slot];
+        let r = &*self.routing;
         if g.ne[0] != 1 || g.ne[1] as usize != k {
             return Err(format!("ffn_moe_weighted: unexpected gate shape {:?} (k = {k})", g.ne));
         }
         if r.norms_from != f_name || r.norms.len() != n_tokens * k || r.maxes.len() != n_tokens * k {
             return Err(format!(
                 "ffn_moe_weighted of layer {} weights {f_name}, but the expert outputs read were {} ({} norms for {n_tokens} tokens)",
-                self.layers[slot].layer,
+                self.sums.layer,
                 r.norms_from,
                 r.norms.len()
             ));
         }
-        let probs_seen = if r.on_device { r.sel_prob.len() == n_tokens * k } else { r.probs.len() == n_tokens * self.layers[slot].n_expert };
+        let probs_seen = if r.on_device { r.sel_prob.len() == n_tokens * k } else { r.probs.len() == n_tokens * self.sums.n_expert };
         if r.sel_id.len() != n_tokens * k || !probs_seen {
             return Err(format!(
                 "ffn_moe_weighted of layer {}: routing of this ubatch was not seen first (topk {} ids, probs {} for {n_tokens} tokens)",
-                self.layers[slot].layer,
+                self.sums.layer,
                 r.sel_id.len(),
                 if r.on_device { r.sel_prob.len() } else { r.probs.len() }
             ));
         }
+        Ok(n_tokens)
+    }
+
+    /// `ffn_moe_weighted-L` (checked by [`Self::check_weighted`]): the gates `g` `[1, k, T]` (any
+    /// strides) read and every routed token's sums added (to its domain's too, with `domains`:
+    /// the split and this layer's slot). Returns the tokens left out as not finite.
+    pub fn add_weighted(&mut self, g: &TensorInfo, g_data: &[u8], mut domains: Option<(&mut DomainSplit, usize)>) -> u64 {
+        let k = self.sums.n_expert_used;
+        let n_tokens = g.ne[2] as usize;
+        let r = &mut *self.routing;
         r.sel_weight.clear();
         for tok in 0..n_tokens as i64 {
             for s in 0..k as i64 {
                 r.sel_weight.push(read_f32(g_data, g.offset([0, s, tok, 0])));
             }
         }
-        let sums = &mut self.layers[slot];
+        let sums = &mut *self.sums;
         let n_expert = sums.n_expert;
-        if slot == 0 {
-            self.tokens_seen += n_tokens as u64;
-            if let Some(d) = self.domains.as_mut() {
-                d.count_tokens(n_tokens)?;
-            }
-        }
         // the router probability of each selected expert, [T][k]: read on the device, or
-        // picked out of the whole rows
-        let probs: &[f32] = if r.on_device {
-            &r.sel_prob
-        } else {
-            self.sel_prob_scratch.clear();
-            self.sel_prob_scratch.extend(r.sel_id.iter().enumerate().map(|(i, &e)| r.probs[(i / k) * n_expert + e as usize]));
-            &self.sel_prob_scratch
-        };
+        // picked out of the whole rows (into `sel_prob`, unused on that path)
+        if !r.on_device {
+            r.sel_prob.clear();
+            r.sel_prob.extend(r.sel_id.iter().enumerate().map(|(i, &e)| r.probs[(i / k) * n_expert + e as usize]));
+        }
+        let probs: &[f32] = &r.sel_prob;
         let mut reference = sums.reference.take().unwrap_or_else(|| ReferenceSums::new(n_expert));
         let shape = (sums.layer, n_expert);
         // the arrays as slices of one length, so that one check of an id covers every index
@@ -553,13 +618,111 @@ impl ReapCollector {
                     max_activation[e] = Some(m);
                 }
             }
-            if let Some(d) = self.domains.as_mut() {
-                d.add(slot, shape, tok, ids, &gates, norms);
+            if let Some((d, slot)) = domains.as_mut() {
+                d.add(*slot, shape, tok, ids, &gates, norms);
             }
         }
-        self.nonfinite_drops += drops;
         sums.reference = Some(reference);
-        Ok(())
+        drops
+    }
+}
+
+/// A node of one MoE layer that REAP reads, besides its probabilities: the
+/// [`LayerPart`] method it goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerReadKind {
+    SelProbs,
+    CandIds,
+    CandProbs,
+    Topk,
+    Norms,
+    Maxes,
+    ExpertOut,
+    Weighted,
+}
+
+/// One read of a layer: the tensor (the gates for `Weighted`), its bytes, and the name it was
+/// computed from (`Norms`: the expert outputs; `Weighted`: its src0, the outputs weighted).
+pub struct LayerRead<'a> {
+    pub kind: LayerReadKind,
+    pub t: TensorInfo<'a>,
+    pub data: std::borrow::Cow<'a, [u8]>,
+    pub from: &'a str,
+}
+
+/// What a layer's reads left for the run, on the thread that made them.
+#[derive(Default)]
+struct LayerOutcome {
+    error: Option<String>,
+    /// the tokens whose candidates did not decide the trace's top n
+    undecided: Vec<usize>,
+    /// the tokens weighted, and those of them left out as not finite
+    weighted_tokens: Option<usize>,
+    drops: u64,
+}
+
+impl LayerOutcome {
+    /// Makes `reads` in order on `part`, up to the first error.
+    fn of(part: &mut LayerPart<'_>, reads: &[LayerRead<'_>]) -> LayerOutcome {
+        let mut out = LayerOutcome::default();
+        for rd in reads {
+            let (t, data) = (&rd.t, &rd.data[..]);
+            let result = match rd.kind {
+                LayerReadKind::SelProbs => part.on_sel_probs(t, data),
+                LayerReadKind::CandIds => part.on_cand_ids(t, data),
+                LayerReadKind::CandProbs => part.on_cand_probs(t, data).map(|u| out.undecided = u),
+                LayerReadKind::Topk => part.on_topk(t, data),
+                LayerReadKind::Norms => part.on_expert_norms(t, data, rd.from),
+                LayerReadKind::Maxes => part.on_expert_maxes(t, data),
+                LayerReadKind::ExpertOut => part.on_expert_out(t, data),
+                LayerReadKind::Weighted => part.check_weighted(rd.from, t).map(|n| {
+                    out.weighted_tokens = Some(n);
+                    out.drops += part.add_weighted(t, data, None);
+                }),
+            };
+            if let Err(e) = result {
+                out.error = Some(e);
+                break;
+            }
+        }
+        out
+    }
+}
+
+impl ReapCollector {
+    /// Makes each layer's `reads` (by slot, each in graph order) on `pool`'s threads, one layer
+    /// to a part: the layers touch nothing of each other, so the sums are the bytes of the same
+    /// reads made one after the other. Returns the tokens whose candidates did not decide, by
+    /// slot (for [`Self::on_cand_row`]), or the first layer's error. Not with `--domains`.
+    pub fn read_layers(&mut self, reads: Vec<Vec<LayerRead<'_>>>, pool: &crate::collect::pool::Pool) -> Result<Vec<(usize, Vec<usize>)>, String> {
+        let jobs: Vec<_> = self
+            .parts()
+            .into_iter()
+            .zip(reads)
+            .enumerate()
+            .filter(|(_, (_, reads))| !reads.is_empty())
+            .map(|(slot, (part, reads))| std::sync::Mutex::new((slot, part, reads, LayerOutcome::default())))
+            .collect();
+        pool.run(jobs.len(), &|j| {
+            let mut job = jobs[j].lock().unwrap_or_else(|e| e.into_inner());
+            let (_, part, reads, out) = &mut *job;
+            *out = LayerOutcome::of(part, reads);
+        });
+        let (mut first_error, mut first_layer_tokens, mut drops, mut undecided) = (None, None, 0, Vec::new());
+        for job in jobs {
+            let (slot, _, _, out) = job.into_inner().unwrap_or_else(|e| e.into_inner());
+            first_error = first_error.or(out.error);
+            if slot == 0 {
+                first_layer_tokens = out.weighted_tokens;
+            }
+            drops += out.drops;
+            if !out.undecided.is_empty() {
+                undecided.push((slot, out.undecided));
+            }
+        }
+        self.tokens_seen += first_layer_tokens.unwrap_or(0) as u64;
+        self.nonfinite_drops += drops;
+        first_error.map_or(Ok(undecided), Err)
     }
 }
 
@@ -982,6 +1145,110 @@ mod tests {
         dev.routing[0].tie_rows.clear();
         let e = dev.routing[0].candidates(2, &mut id, &mut p, &mut order).unwrap_err();
         assert!(e.contains("tie"), "{e}");
+    }
+
+    /// One layer's device-path reads of `t` tokens (8 experts top-2, candidates top-3 + 1):
+    /// probabilities from few values (ties), a token with a NaN gate in layer 2, and ids out
+    /// of range where `bad_ids`.
+    fn layer_reads(rng: &mut crate::fixture::rng::Rng, layer: usize, t: usize, bad_ids: bool) -> Vec<(LayerReadKind, Vec<u8>)> {
+        let (e, k, n) = (8usize, 2usize, 4usize);
+        let (mut topk, mut sel, mut g, mut norms, mut maxes, mut cand, mut cand_p) = Default::default();
+        for tok in 0..t {
+            let row: Vec<f32> = (0..e).map(|_| rng.below(5) as f32 / 8.0).collect();
+            let mut order = Vec::new();
+            crate::collect::trace_rows::top_candidates(&row, n, &mut order);
+            for (s, &i) in order[..k].iter().enumerate() {
+                Vec::<i32>::push(&mut topk, if bad_ids && tok == 1 { 99 } else { i as i32 });
+                Vec::<f32>::push(&mut sel, row[i as usize]);
+                Vec::<f32>::push(&mut g, if layer == 2 && tok == 3 && s == 1 { f32::NAN } else { 0.5 + rng.uniform() as f32 });
+                Vec::<f32>::push(&mut norms, 1.0 + rng.uniform() as f32);
+                Vec::<f32>::push(&mut maxes, rng.uniform() as f32);
+            }
+            for &i in order.iter().rev() {
+                Vec::<i32>::push(&mut cand, i as i32);
+                Vec::<f32>::push(&mut cand_p, row[i as usize]);
+            }
+        }
+        let i = |v: &[i32]| v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>();
+        use LayerReadKind::*;
+        vec![(CandIds, i(&cand)), (CandProbs, bytes_f32(&cand_p)), (Topk, i(&topk)), (SelProbs, bytes_f32(&sel)), (Norms, bytes_f32(&norms)), (Maxes, bytes_f32(&maxes)), (Weighted, bytes_f32(&g))]
+    }
+
+    fn read_info(kind: LayerReadKind, t: usize) -> TensorInfo<'static> {
+        let (k, n, ti) = (2i64, 4i64, t as i64);
+        let slots = |name| info(name, [1, k, ti, 1], [4, 4, 8, 8 * t], sys::GGML_TYPE_F32);
+        match kind {
+            LayerReadKind::CandIds => info("ffn_moe_cand", [n, ti, 1, 1], [4, 16, 16 * t, 16 * t], sys::GGML_TYPE_I32),
+            LayerReadKind::CandProbs => info("ffn_moe_cand_p", [1, n, ti, 1], [4, 4, 16, 16 * t], sys::GGML_TYPE_F32),
+            LayerReadKind::Topk => info("ffn_moe_topk", [k, ti, 1, 1], [4, 8, 8 * t, 8 * t], sys::GGML_TYPE_I32),
+            _ => slots("slots"),
+        }
+    }
+
+    /// Each layer's reads made on a pool's threads (`read_layers`) give the sums, routing,
+    /// token count and drops of the same reads made layer after layer, and the same undecided
+    /// tokens; with two layers failing, the first layer's error.
+    #[test]
+    fn layers_read_on_a_pool_give_the_sums_of_reads_in_turn() {
+        let (n_layers, t) = (5usize, 40usize);
+        let pool = crate::collect::pool::Pool::new(3);
+        for bad in [false, true] {
+            let mut rng = crate::fixture::rng::Rng::new(5);
+            let layers: Vec<_> = (0..n_layers).map(|l| layer_reads(&mut rng, l, t, bad && l == 3)).collect();
+            let pi = info("ffn_moe_probs", [8, t as i64, 1, 1], [4, 32, 32 * t, 32 * t], sys::GGML_TYPE_F32);
+            let (mut a, mut b) = (ReapCollector::new(), ReapCollector::new());
+            for c in [&mut a, &mut b] {
+                for l in 0..n_layers {
+                    c.slot_for(l, 8, 0).unwrap();
+                    c.on_probs_on_device(l, &pi).unwrap();
+                }
+            }
+            // in turn, as the observer reads node by node
+            let (mut undecided_a, mut error_a) = (Vec::new(), None);
+            for (slot, reads) in layers.iter().enumerate() {
+                for (kind, data) in reads {
+                    let ti = read_info(*kind, t);
+                    let from = if bad && slot == 1 { "elsewhere" } else { "f" };
+                    let r = match kind {
+                        LayerReadKind::CandIds => a.on_cand_ids(slot, &ti, data),
+                        LayerReadKind::CandProbs => a.on_cand_probs(slot, &ti, data).map(|u| undecided_a.extend(u.iter().map(|&tok| (slot, tok)))),
+                        LayerReadKind::Topk => a.on_topk(slot, &ti, data),
+                        LayerReadKind::SelProbs => a.on_sel_probs(slot, &ti, data),
+                        LayerReadKind::Norms => a.on_expert_norms(slot, &ti, data, "f"),
+                        LayerReadKind::Maxes => a.on_expert_maxes(slot, &ti, data),
+                        LayerReadKind::ExpertOut => a.on_expert_out(slot, &ti, data),
+                        LayerReadKind::Weighted => a.on_weighted(slot, from, &ti, data),
+                    };
+                    if let Err(e) = r {
+                        error_a = error_a.or(Some(e));
+                        break;
+                    }
+                }
+            }
+            let reads: Vec<Vec<LayerRead>> = layers
+                .iter()
+                .enumerate()
+                .map(|(slot, reads)| {
+                    let from = |kind| if bad && slot == 1 && kind == LayerReadKind::Weighted { "elsewhere" } else { "f" };
+                    reads.iter().map(|(kind, data)| LayerRead { kind: *kind, t: read_info(*kind, t), data: std::borrow::Cow::Borrowed(&data[..]), from: from(*kind) }).collect()
+                })
+                .collect();
+            let got = b.read_layers(reads, &pool);
+            if bad {
+                let (want, got) = (error_a.unwrap(), got.unwrap_err());
+                assert_eq!(got, want);
+                assert!(got.contains("ffn_moe_weighted of layer 1"), "{got}");
+                continue;
+            }
+            assert!(error_a.is_none());
+            let undecided_b: Vec<(usize, usize)> = got.unwrap().into_iter().flat_map(|(s, toks)| toks.into_iter().map(move |tok| (s, tok))).collect();
+            assert!(!undecided_a.is_empty(), "no ties: the test tests less");
+            assert_eq!(undecided_b, undecided_a);
+            assert_eq!(b.layers, a.layers);
+            assert_eq!((b.tokens_seen, b.nonfinite_drops), (a.tokens_seen, a.nonfinite_drops));
+            assert_eq!((a.tokens_seen, a.nonfinite_drops), (t as u64, 1));
+            assert_eq!(format!("{:?}", b.routing), format!("{:?}", a.routing));
+        }
     }
 
     #[test]

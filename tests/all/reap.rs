@@ -365,10 +365,11 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
     let server = RpcServer::start();
     let model = fixture("qwen3moe");
     for mode in [&[][..], &["--imatrix-on-device"][..]] {
-        // REAP_STREAM and REAP_WRITER_THREADS (the trace's rows encoded on 1 thread or, the
-        // default offloaded, on -t's 2)
-        let go_env = |defer: &str, prefetch: &str, overlap: &str, stream: &str, writers: &str| {
-            let d = temp_dir(&format!("deferred-{defer}-{prefetch}-{overlap}-{stream}-{writers}-{}", mode.len()));
+        // REAP_STREAM, REAP_WRITER_THREADS (the trace's rows encoded on 1 thread or, the
+        // default offloaded, on -t's 2) and REAP_PARALLEL_LAYERS (REAP's reads of the layers
+        // made on the callback's thread, or by default on the pool's 2)
+        let go_env = |defer: &str, prefetch: &str, overlap: &str, stream: &str, writers: &str, layers: &str| {
+            let d = temp_dir(&format!("deferred-{defer}-{prefetch}-{overlap}-{stream}-{writers}-{layers}-{}", mode.len()));
             let out = run_ok(
                 Command::new(ours())
                     .current_dir(&d)
@@ -377,6 +378,7 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
                     .env("REAP_OVERLAP", overlap)
                     .env("REAP_STREAM", stream)
                     .env("REAP_WRITER_THREADS", writers)
+                    .env("REAP_PARALLEL_LAYERS", layers)
                     .arg("-m")
                     .arg(&model)
                     .arg("-f")
@@ -391,10 +393,18 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
             let copies = (count(" batches, "), count(" waits, "));
             let encoders = count(" writer thread").unwrap_or_else(|| panic!("no writer line:\n{err}"));
             assert_eq!(encoders.to_string(), if writers.is_empty() { "2" } else { writers }, "{err}");
-            (d, read_at_end, count(" reduction graphs run"), copies, count(" of them while REAP's reads were copied and summed"))
+            let by_layer = err.split("copied and summed (").nth(1).filter(|s| s.contains(" with REAP's layers summed on 2 threads)"));
+            let by_layer = by_layer.map(|s| s.split(' ').next().unwrap().parse::<u64>().unwrap());
+            (d, read_at_end, count(" reduction graphs run"), copies, count(" of them while REAP's reads were copied and summed"), by_layer)
         };
-        let go = |defer: &str, prefetch: &str, overlap: &str| go_env(defer, prefetch, overlap, "1", "");
-        let (deferred, n, batched, copies, overlapped) = go("1", "1", "1");
+        let go = |defer: &str, prefetch: &str, overlap: &str| {
+            let r = go_env(defer, prefetch, overlap, "1", "", "");
+            (r.0, r.1, r.2, r.3, r.4)
+        };
+        let (deferred, n, batched, copies, overlapped, by_layer) = go_env("1", "1", "1", "1", "", "");
+        // with the reductions overlapped, REAP's reads of the 12 graph ends were made on 2
+        // threads, one layer each; REAP_PARALLEL_LAYERS=0 (in the REAP_STREAM=0 run below) not
+        assert_eq!(by_layer, if mode.is_empty() { None } else { Some(12) }, "{mode:?}");
         let (one_at_a_time, n1, _, no_copies, _) = go("1", "0", "1");
         let (by_node, zero, one_by_one, _, not_overlapped) = go("0", "1", "1");
         // --imatrix-on-device's reductions computed before REAP's reads, not during them
@@ -408,7 +418,8 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
         assert!(waits > 12, "{mode:?}: {waits} waits for 12 batches: the reads did not wait copy by copy");
         // REAP_STREAM=0: each batch waited for whole, before its reads; the trace encoded on
         // one thread
-        let (whole, n3, _, whole_copies, _) = go_env("1", "1", "1", "0", "1");
+        let (whole, n3, _, whole_copies, _, whole_by_layer) = go_env("1", "1", "1", "0", "1", "0");
+        assert_eq!(whole_by_layer, None, "{mode:?}");
         assert_eq!((n3, whole_copies), (n, (Some(12), Some(12))), "{mode:?}");
         if !mode.is_empty() {
             // 6 chunks of 2 ubatches; per ubatch and layer 5 weights of their own input (q, o,
@@ -450,8 +461,8 @@ fn router_on_device_gives_the_files_of_the_whole_probabilities() {
     let server = RpcServer::start();
     for tied in [false, true] {
         let model = candidates_fixture(tied);
-        let go = |router: &str| {
-            let d = temp_dir(&format!("router-{router}-{tied}"));
+        let go_with = |router: &str, mode: &[&str]| {
+            let d = temp_dir(&format!("router-{router}-{tied}-{}", mode.len()));
             let out = run_ok(
                 Command::new(ours())
                     .current_dir(&d)
@@ -461,12 +472,17 @@ fn router_on_device_gives_the_files_of_the_whole_probabilities() {
                     .arg("-f")
                     .arg(corpus())
                     .args(["-t", "2", "--no-ppl", "-o", "i.gguf", "--trace-out", "t.bin", "--trace-top-n", "25"])
-                    .args(["-c", "128", "-b", "128", "-ub", "64", "--chunks", "4", "--save-frequency", "2", "-ngl", "99", "--rpc", &server.endpoint]),
+                    .args(["-c", "128", "-b", "128", "-ub", "64", "--chunks", "4", "--save-frequency", "2", "-ngl", "99", "--rpc", &server.endpoint])
+                    .args(mode),
             );
             let err = String::from_utf8_lossy(&out.stderr).into_owned();
             let line = err.lines().find(|l| l.contains("copied from device buffers")).unwrap_or_else(|| panic!("no copy line:\n{err}")).to_string();
             let per_token: u64 = line.split(" bytes per token").next().and_then(|s| s.rsplit('(').next()?.parse().ok()).unwrap();
-            (d, line, per_token)
+            (d, line, per_token, err)
+        };
+        let go = |router: &str| {
+            let r = go_with(router, &[]);
+            (r.0, r.1, r.2)
         };
         let ((dev, dev_line, dev_bytes), (host, host_line, host_bytes)) = (go("device"), go("host"));
         assert!(host_line.contains("router probabilities read whole"), "{host_line}");
@@ -481,5 +497,15 @@ fn router_on_device_gives_the_files_of_the_whole_probabilities() {
         }
         let trace = TraceReader::open(&dev.join("t.bin")).unwrap();
         assert_eq!((trace.header.top_n, trace.header.n_tokens), (25, 512));
+        if tied {
+            // --imatrix-on-device: REAP's reads made layer by layer on 2 threads, the tied rows
+            // read after them; the REAP JSON and trace are still the whole probabilities' bytes
+            let (fast, fast_line, _, err) = go_with("device", &["--imatrix-on-device"]);
+            assert!(fast_line.contains(&format!("{rows} rows read whole at ties")), "{fast_line}");
+            assert!(err.contains("(8 with REAP's layers summed on 2 threads)"), "{err}");
+            for f in ["i.reap.json", "t.bin"] {
+                assert_same_bytes(&fast.join(f), &host.join(f));
+            }
+        }
     }
 }
