@@ -322,7 +322,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         None => FileRecord::of("model", &model_path, &std::env::current_dir()?)?,
     };
     write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;
-    let prefetched = ctx.observer().prefetch.as_ref().map_or(String::new(), |p| format!(" ({} tensors copied in {} batches, {} waits, {:.3} s starting the copies and waiting)", p.tensors, p.batches, p.waits, p.busy.as_secs_f64()));
+    let prefetched = ctx.observer().prefetch.as_ref().map_or(String::new(), |p| format!(" ({} tensors copied in {} copies in {} batches, {} waits, {:.3} s starting the copies and waiting)", p.tensors, p.copies, p.batches, p.waits, p.busy.as_secs_f64()));
     eprintln!(
         "collection: {:.3} s inside the eval callback over {} chunks; {} matmuls collected from the input of the one before (no callback of their own); {} nodes read at the end of their graph{prefetched}",
         ctx.observer().busy.as_secs_f64(),

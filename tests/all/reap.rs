@@ -352,6 +352,17 @@ fn device_expert_stats_match(server: &RpcServer, key: &str, model: &Path) {
     assert!(differing > 0, "{key}: device and host sums are bit-identical: the device statistics were not read");
 }
 
+/// What one run of the deferred-reads test printed.
+struct Run {
+    read_at_end: u64,
+    graphs: Option<u64>,
+    /// tensors copied, copies, batches, waits
+    copies: (Option<u64>, Option<u64>, Option<u64>, Option<u64>),
+    overlapped: Option<u64>,
+    by_layer: Option<u64>,
+    dir: std::path::PathBuf,
+}
+
 /// Patch 0002: offloaded, what the callback reads is kept to the end of the graph and read
 /// there, instead of ending a piece of the graph (and waiting for the device) at every node.
 /// The files are those of reading node by node (`REAP_DEFER=0`), in both imatrix modes, with
@@ -359,26 +370,28 @@ fn device_expert_stats_match(server: &RpcServer, key: &str, model: &Path) {
 /// all at once with one wait per ubatch (`llama::prefetch`) or one at a time
 /// (`REAP_PREFETCH=0`), read as each copy arrives (the default) or once the whole batch has
 /// (`REAP_STREAM=0`), and whether `--imatrix-on-device`'s reductions run while REAP's reads
-/// are copied and summed (the default) or before them (`REAP_OVERLAP=0`).
+/// are copied and summed (the default) or before them (`REAP_OVERLAP=0`), nearby tensors
+/// copied as one (the default) or each alone (`REAP_COALESCE=0`).
 #[test]
 fn deferred_reads_give_the_files_of_node_by_node_reads() {
     let server = RpcServer::start();
     let model = fixture("qwen3moe");
     for mode in [&[][..], &["--imatrix-on-device"][..]] {
-        // REAP_STREAM, REAP_WRITER_THREADS (the trace's rows encoded on 1 thread or, the
-        // default offloaded, on -t's 2) and REAP_PARALLEL_LAYERS (REAP's reads of the layers
-        // made on the callback's thread, or by default on the pool's 2)
-        let go_env = |defer: &str, prefetch: &str, overlap: &str, stream: &str, writers: &str, layers: &str| {
-            let d = temp_dir(&format!("deferred-{defer}-{prefetch}-{overlap}-{stream}-{writers}-{layers}-{}", mode.len()));
+        // a run with these REAP_* variables set (the rest unset: their defaults); besides the
+        // REAP_DEFER/PREFETCH/OVERLAP switches, REAP_STREAM, REAP_COALESCE (each tensor copied
+        // alone), REAP_WRITER_THREADS (the trace's rows encoded on 1 thread or, the default
+        // offloaded, on -t's 2) and REAP_PARALLEL_LAYERS (REAP's reads of the layers made on the
+        // callback's thread, or by default on the pool's 2)
+        let go = |env: &[(&str, &str)]| {
+            let tag: Vec<String> = env.iter().map(|(k, v)| format!("{}{v}", &k[5..7])).collect();
+            let d = temp_dir(&format!("deferred-{}-{}", tag.join("-"), mode.len()));
+            let mut cmd = Command::new(ours());
+            for v in ["REAP_DEFER", "REAP_PREFETCH", "REAP_OVERLAP", "REAP_STREAM", "REAP_COALESCE", "REAP_WRITER_THREADS", "REAP_PARALLEL_LAYERS"] {
+                cmd.env_remove(v);
+            }
+            cmd.envs(env.iter().copied());
             let out = run_ok(
-                Command::new(ours())
-                    .current_dir(&d)
-                    .env("REAP_DEFER", defer)
-                    .env("REAP_PREFETCH", prefetch)
-                    .env("REAP_OVERLAP", overlap)
-                    .env("REAP_STREAM", stream)
-                    .env("REAP_WRITER_THREADS", writers)
-                    .env("REAP_PARALLEL_LAYERS", layers)
+                cmd.current_dir(&d)
                     .arg("-m")
                     .arg(&model)
                     .arg("-f")
@@ -388,48 +401,55 @@ fn deferred_reads_give_the_files_of_node_by_node_reads() {
                     .args(mode),
             );
             let err = String::from_utf8_lossy(&out.stderr).into_owned();
-            let count = |after: &str| -> Option<u64> { err.split(after).next().filter(|s| s.len() < err.len())?.rsplit(' ').next()?.parse().ok() };
-            let read_at_end = count(" nodes read at the end of their graph").unwrap_or_else(|| panic!("no deferred-read count:\n{err}"));
-            let copies = (count(" batches, "), count(" waits, "));
+            let count = |after: &str| -> Option<u64> { err.split(after).next().filter(|s| s.len() < err.len())?.rsplit([' ', '(']).next()?.parse().ok() };
             let encoders = count(" writer thread").unwrap_or_else(|| panic!("no writer line:\n{err}"));
-            assert_eq!(encoders.to_string(), if writers.is_empty() { "2" } else { writers }, "{err}");
+            let writers = env.iter().find(|e| e.0 == "REAP_WRITER_THREADS").map_or("2", |e| e.1);
+            assert_eq!(encoders.to_string(), writers, "{err}");
             let by_layer = err.split("copied and summed (").nth(1).filter(|s| s.contains(" with REAP's layers summed on 2 threads)"));
-            let by_layer = by_layer.map(|s| s.split(' ').next().unwrap().parse::<u64>().unwrap());
-            (d, read_at_end, count(" reduction graphs run"), copies, count(" of them while REAP's reads were copied and summed"), by_layer)
+            Run {
+                read_at_end: count(" nodes read at the end of their graph").unwrap_or_else(|| panic!("no deferred-read count:\n{err}")),
+                graphs: count(" reduction graphs run"),
+                copies: (count(" tensors copied in"), count(" copies in"), count(" batches, "), count(" waits, ")),
+                overlapped: count(" of them while REAP's reads were copied and summed"),
+                by_layer: by_layer.map(|s| s.split(' ').next().unwrap().parse::<u64>().unwrap()),
+                dir: d,
+            }
         };
-        let go = |defer: &str, prefetch: &str, overlap: &str| {
-            let r = go_env(defer, prefetch, overlap, "1", "", "");
-            (r.0, r.1, r.2, r.3, r.4)
-        };
-        let (deferred, n, batched, copies, overlapped, by_layer) = go_env("1", "1", "1", "1", "", "");
+        let deferred = go(&[]);
+        let n = deferred.read_at_end;
         // with the reductions overlapped, REAP's reads of the 12 graph ends were made on 2
         // threads, one layer each; REAP_PARALLEL_LAYERS=0 (in the REAP_STREAM=0 run below) not
-        assert_eq!(by_layer, if mode.is_empty() { None } else { Some(12) }, "{mode:?}");
-        let (one_at_a_time, n1, _, no_copies, _) = go("1", "0", "1");
-        let (by_node, zero, one_by_one, _, not_overlapped) = go("0", "1", "1");
-        // --imatrix-on-device's reductions computed before REAP's reads, not during them
-        let (serial, n2, batched2, _, serial_overlapped) = go("1", "1", "0");
-        assert!(n > 0 && n1 == n && n2 == n && zero == 0, "{mode:?}: {n}, {n1}, {n2} and {zero} nodes read at the end");
-        // the end-of-graph reads of each of the 12 ubatches copied together, and read as they
-        // arrive: more than one wait per batch (RPC has events; each read waits for its own
-        // copy) but at most one per tensor
-        let (Some(batches), Some(waits)) = copies else { panic!("{mode:?}: no batch and wait counts") };
-        assert_eq!((batches, no_copies), (12, (None, None)), "{mode:?}");
-        assert!(waits > 12, "{mode:?}: {waits} waits for 12 batches: the reads did not wait copy by copy");
+        assert_eq!(deferred.by_layer, if mode.is_empty() { None } else { Some(12) }, "{mode:?}");
+        let one_at_a_time = go(&[("REAP_PREFETCH", "0")]);
+        let by_node = go(&[("REAP_DEFER", "0")]);
+        // --imatrix-on-device's reductions computed before REAP's reads, not during them; each
+        // tensor copied alone
+        let serial = go(&[("REAP_OVERLAP", "0"), ("REAP_COALESCE", "0")]);
+        assert!(n > 0 && one_at_a_time.read_at_end == n && serial.read_at_end == n && by_node.read_at_end == 0, "{mode:?}: {n}, {}, {} and {} nodes read at the end", one_at_a_time.read_at_end, serial.read_at_end, by_node.read_at_end);
+        // the end-of-graph reads of each of the 12 ubatches copied together, nearby tensors as
+        // one copy (fewer copies than tensors), each read waiting for its own copy at most
+        let (Some(tensors), Some(copies), Some(batches), Some(waits)) = deferred.copies else { panic!("{mode:?}: no copy counts") };
+        assert_eq!((batches, one_at_a_time.copies), (12, (None, None, None, None)), "{mode:?}");
+        assert!(copies < tensors && (12..=copies).contains(&waits), "{mode:?}: {tensors} tensors, {copies} copies, {waits} waits");
+        // REAP_COALESCE=0: a copy per tensor, read as they arrive: more than one wait per
+        // batch (RPC has events) but at most one per tensor
+        let (Some(t1), Some(c1), Some(12), Some(w1)) = serial.copies else { panic!("{mode:?}: {:?}", serial.copies) };
+        assert!(t1 == tensors && c1 == t1 && w1 > 12 && w1 <= c1, "{mode:?}: {t1} tensors, {c1} copies, {w1} waits");
         // REAP_STREAM=0: each batch waited for whole, before its reads; the trace encoded on
-        // one thread
-        let (whole, n3, _, whole_copies, _, whole_by_layer) = go_env("1", "1", "1", "0", "1", "0");
-        assert_eq!(whole_by_layer, None, "{mode:?}");
-        assert_eq!((n3, whole_copies), (n, (Some(12), Some(12))), "{mode:?}");
+        // one thread, REAP's layers read on the callback's
+        let whole = go(&[("REAP_STREAM", "0"), ("REAP_WRITER_THREADS", "1"), ("REAP_PARALLEL_LAYERS", "0")]);
+        assert_eq!(whole.by_layer, None, "{mode:?}");
+        assert_eq!((whole.read_at_end, whole.copies.2, whole.copies.3), (n, Some(12), Some(12)), "{mode:?}");
         if !mode.is_empty() {
             // 6 chunks of 2 ubatches; per ubatch and layer 5 weights of their own input (q, o,
             // the router, up/gate, down): one graph per ubatch when read at the end, each
             // computed while REAP's reads are copied and summed (every layer is off-host)
-            assert_eq!((batched, batched2, one_by_one), (Some(12), Some(12), Some(12 * 4 * 5)));
-            assert_eq!((overlapped, serial_overlapped, not_overlapped), (Some(12), None, None));
+            assert_eq!((deferred.graphs, serial.graphs, by_node.graphs), (Some(12), Some(12), Some(12 * 4 * 5)));
+            assert_eq!((deferred.overlapped, serial.overlapped, by_node.overlapped), (Some(12), None, None));
         } else {
-            assert_eq!(overlapped, None, "no reductions, nothing to overlap");
+            assert_eq!(deferred.overlapped, None, "no reductions, nothing to overlap");
         }
+        let (deferred, one_at_a_time, by_node, serial, whole) = (deferred.dir, one_at_a_time.dir, by_node.dir, serial.dir, whole.dir);
         for f in ["i.gguf", "i.gguf.at_3", "i.gguf.at_6", "i.reap.json", "t.bin"] {
             assert_same_bytes(&deferred.join(f), &by_node.join(f));
             assert_same_bytes(&one_at_a_time.join(f), &by_node.join(f));
