@@ -233,10 +233,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     if offloaded && threads > 1 {
         collector.pool = Some(crate::collect::pool::Pool::new(threads as usize));
     }
-    // the trace's rows are encoded on the prompt's threads where offloaded (a fast device
-    // could outrun one); REAP_WRITER_THREADS sets it
+    // a trace's rows are encoded on the prompt's threads where offloaded (a fast device could
+    // outrun one); REAP_WRITER_THREADS sets it
     let writer_threads = std::env::var("REAP_WRITER_THREADS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&t| t > 0);
-    let writer_threads = writer_threads.unwrap_or(if offloaded { prompt_threads.max(1) as usize } else { 1 });
+    let traced = offloaded && plan.args.trace_out.is_some();
+    let writer_threads = writer_threads.unwrap_or(if traced { prompt_threads.max(1) as usize } else { 1 });
     let mut observer = CalibrationObserver::new(collector, reap);
     observer.expert_stats_on_device = device_stats;
     observer.defer = defer;
