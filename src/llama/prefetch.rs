@@ -206,10 +206,7 @@ impl Prefetcher {
             spanning += placed.iter().filter(|(s, _)| s.members.len() > 1).count();
             copies.push((placed, off));
         }
-        let spans_ctx = match self.span_context(spanning) {
-            Ok(c) => c,
-            Err(e) => return Err(e),
-        };
+        let spans_ctx = self.span_context(spanning)?;
         let mut b = Staged::default();
         for (d, (items, (placed, total))) in plan.iter().zip(&copies).enumerate() {
             let backend = self.devices[d].backend;
