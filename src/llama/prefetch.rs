@@ -103,6 +103,24 @@ pub(crate) fn coalesce(items: &[(usize, usize, usize)]) -> Vec<Span> {
     spans
 }
 
+/// Places spans one after another in a staging area whose start is [`ALIGN`]ed, each at an
+/// offset congruent to its device address modulo [`ALIGN`]: every tensor in it is then staged
+/// as aligned as it lies on the device (a span may start at a view or a tensor packed at any
+/// address, and the readers need f32 and i32 data on 4-byte boundaries). Returns the spans with
+/// their offsets, and the bytes they take.
+pub(crate) fn place(spans: Vec<Span>) -> (Vec<(Span, usize)>, usize) {
+    let mut off = 0usize;
+    let placed = spans
+        .into_iter()
+        .map(|s| {
+            let at = off.div_ceil(ALIGN) * ALIGN + s.start % ALIGN;
+            off = at + s.end - s.start;
+            (s, at)
+        })
+        .collect();
+    (placed, off)
+}
+
 /// One device's copies in the batch being read.
 struct Stream {
     backend: sys::ggml_backend_t,
@@ -194,17 +212,9 @@ impl Prefetcher {
             } else {
                 coalesce(&items.iter().map(|&(t, buf, n)| (buf as usize, (*t).data as usize, n)).collect::<Vec<_>>())
             };
-            let mut off = 0;
-            let placed: Vec<(Span, usize)> = spans
-                .into_iter()
-                .map(|s| {
-                    let at = off;
-                    off = (at + s.end - s.start).div_ceil(ALIGN) * ALIGN;
-                    (s, at)
-                })
-                .collect();
+            let (placed, total) = place(spans);
             spanning += placed.iter().filter(|(s, _)| s.members.len() > 1).count();
-            copies.push((placed, off));
+            copies.push((placed, total));
         }
         let spans_ctx = self.span_context(spanning)?;
         let mut b = Staged::default();
@@ -406,5 +416,28 @@ mod tests {
         }
         assert_eq!((spans[1].start, spans[1].end), (0, 10 * k + gap + 64));
         assert!(coalesce(&[]).is_empty());
+    }
+
+    #[test]
+    fn staged_tensors_keep_their_device_alignment() {
+        // a span starting at a view 2 bytes into a line, with an f32 tensor after it; spans
+        // of odd lengths; one tensor alone at an aligned address
+        let items = [(1, 1_000_002, 6), (1, 1_000_064, 256), (1, 2_000_000, 100), (2, 3_000_037, 3), (2, 4_000_000, 8)];
+        let spans = coalesce(&items);
+        assert_eq!(spans.len(), 4, "{spans:?}");
+        let (placed, total) = place(spans);
+        let mut last_end = 0;
+        for (s, at) in &placed {
+            assert!(*at >= last_end, "{s:?} at {at} overlaps the span before (ends at {last_end})");
+            last_end = at + s.end - s.start;
+            for &(i, a) in &s.members {
+                let staged = at + (a - s.start);
+                assert_eq!(staged % ALIGN, items[i].1 % ALIGN, "tensor {i} staged at {staged}");
+            }
+        }
+        assert_eq!(total, last_end);
+        // aligned single tensors are placed as before: at multiples of ALIGN
+        let (one, _) = place(vec![Span { buf: 1, start: 0, end: 100, members: vec![(0, 0)] }, Span { buf: 1, start: 4096, end: 4100, members: vec![(1, 4096)] }]);
+        assert_eq!(one.iter().map(|p| p.1).collect::<Vec<_>>(), vec![0, 128]);
     }
 }
