@@ -740,7 +740,11 @@ impl CalibrationObserver {
         }
         let by_layer = self.reap_by_layer
             && self.imatrix.pool.as_ref().is_some_and(|p| p.threads() > 1)
-            && self.reap.as_ref().is_some_and(|r| r.sums.domains.is_none());
+            && self.reap.as_ref().is_some_and(|r| r.sums.domains.is_none())
+            && reap_nodes.iter().all(|&p| {
+                // SAFETY: as above.
+                unsafe { Node::from_raw(p) }.is_none_or(|n| layer_read_kind(n.name()).is_some() || layer_of(n.name(), PROBS).is_some())
+            });
         if by_layer {
             ok = self.observe_reap_by_layer(&reap_nodes);
         } else {
@@ -767,6 +771,8 @@ impl CalibrationObserver {
     /// by node. On this thread first, in graph order: each layer's probabilities node (it makes
     /// the layer's slot), the checks that need the graph, and the bytes (staged copies are found
     /// on this thread); after: the rows the candidates did not decide, read from the device.
+    /// Only which error is reported can differ from reads in turn: a graph check failing in a
+    /// later layer is named before a bad value in an earlier one (the run stops either way).
     fn observe_reap_by_layer(&mut self, nodes: &[*mut sys::ggml_tensor]) -> bool {
         let mut reads: Vec<Vec<LayerRead<'_>>> = Vec::new();
         for &p in nodes {
@@ -781,7 +787,8 @@ impl CalibrationObserver {
                 continue;
             }
             let Some((kind, block)) = layer_read_kind(name) else {
-                // nothing else is read at a graph's end; were it, it would be read in order here
+                // not reached: the caller reads a graph end with any other node in turn (the
+                // ubatch's start, the other node REAP reads, is never left for the end)
                 if !self.observe_reap(node) {
                     return false;
                 }
