@@ -79,6 +79,8 @@ impl Gating {
 /// The invariants of one JSON, on its own.
 pub fn check_saliency(s: &Saliency, gating: Gating, top: usize, rep: &mut Report) {
     rep.check(!s.layers.is_empty(), format!("{} MoE layers present", s.layers.len()));
+    let blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
+    rep.check(blocks.windows(2).all(|w| w[0] < w[1]), format!("layers in block order, each once: {blocks:?}"));
     let drops_total: u64 = s.layers.iter().map(|l| s.tokens.saturating_sub(l.tokens)).sum();
     rep.check(
         drops_total == s.nonfinite_drops,
@@ -140,6 +142,13 @@ fn check_layer(l: &LayerSums, tokens: u64, gating: Gating, top: usize, rep: &mut
     rep.check(negative.is_empty(), format!("{id}: no negative sums{}", if negative.is_empty() { String::new() } else { format!(" (not: {})", negative.join(", ")) }));
     let zero_mismatch: Vec<usize> = (0..l.n_expert).filter(|&e| (l.count[e] == 0) != (l.reap_l2_sum[e] == 0.0)).collect();
     rep.check(zero_mismatch.is_empty(), format!("{id}: count = 0 ⇔ reap_l2_sum = 0{}", list_if_any(&zero_mismatch)));
+    // an expert never routed has nothing summed into any of its arrays
+    let dead_nonzero: Vec<&str> =
+        arrays.iter().filter(|(_, v)| (0..l.n_expert).any(|e| l.count[e] == 0 && v[e] != 0.0)).map(|(n, _)| *n).collect();
+    rep.check(
+        dead_nonzero.is_empty(),
+        format!("{id}: count = 0 ⇒ every sum = 0{}", if dead_nonzero.is_empty() { String::new() } else { format!(" (not: {})", dead_nonzero.join(", ")) }),
+    );
     // Cauchy–Schwarz: Σx² ≥ (Σx)²/n, up to rounding of the f64 sums
     let cs: Vec<usize> = (0..l.n_expert)
         .filter(|&e| l.count[e] > 0 && l.reap_l2_sq_sum[e] < l.reap_l2_sum[e].powi(2) / l.count[e] as f64 * (1.0 - 1e-12))
@@ -240,29 +249,7 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
 
     if let (Some(p), Some(s)) = (&args.imatrix, &s) {
         let im = imatrix_file::load(p).map_err(|e| UsageError(format!("{e:#}")))?;
-        let im_tokens = im.chunk_count as i64 * im.chunk_size as i64;
-        // a run killed between writing its imatrix and its JSON leaves them one checkpoint
-        // apart: both are complete, but they count different tokens
-        let same_point = im.is_legacy || im.chunk_size <= 0 || im_tokens == s.tokens as i64;
-        if !same_point {
-            rep.notes.push(format!(
-                "imatrix {} covers {} chunks × {} = {im_tokens} tokens, the JSON {} tokens (checkpoints of different moments): counts not compared",
-                p.display(),
-                im.chunk_count,
-                im.chunk_size,
-                s.tokens
-            ));
-        }
-        for l in s.layers.iter().filter(|_| same_point) {
-            let name = format!("blk.{}.ffn_down_exps.weight", l.layer);
-            match im.entries.get(&name) {
-                None => rep.check(false, format!("layer {}: imatrix {} has no {name}", l.layer, p.display())),
-                Some(e) => {
-                    let same = e.counts.len() == l.n_expert && e.counts.iter().zip(&l.count).all(|(&a, &b)| a >= 0 && a as u64 == b);
-                    rep.check(same, format!("layer {}: count equals the imatrix counts of {name}", l.layer));
-                }
-            }
-        }
+        compare_imatrix(&im, p, s, &mut rep);
     }
 
     let mut trace_rows = None;
@@ -280,6 +267,53 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
 
     print_report(args, s.as_ref(), trace_rows, &rep);
     Ok(if rep.all_hold() { 0 } else { crate::error::EXIT_FAILURE })
+}
+
+/// The imatrix against the JSON: the same MoE layers and expert counts always; the same
+/// routing counts (`ffn_down_exps.counts` = `count`) where both are of the same moment.
+fn compare_imatrix(im: &imatrix_file::Loaded, p: &std::path::Path, s: &Saliency, rep: &mut Report) {
+    let down = |name: &str| name.strip_prefix("blk.")?.strip_suffix(".ffn_down_exps.weight")?.parse::<u32>().ok();
+    let mut im_blocks: Vec<u32> = im.entries.keys().filter_map(|n| down(n)).collect();
+    im_blocks.sort_unstable();
+    let mut json_blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
+    json_blocks.sort_unstable();
+    rep.check(
+        im_blocks == json_blocks,
+        format!("imatrix {}: its MoE layers (ffn_down_exps) {im_blocks:?} are the JSON's {json_blocks:?}", p.display()),
+    );
+    if im.is_legacy {
+        rep.notes.push(format!(
+            "imatrix {} is a legacy .dat file: it keeps one call count per matrix, not the experts' counts: counts not compared",
+            p.display()
+        ));
+        return;
+    }
+    let im_tokens = im.chunk_count as i64 * im.chunk_size as i64;
+    // a run killed between writing its imatrix and its JSON leaves them one checkpoint
+    // apart: both are complete, but they count different tokens
+    let same_point = im.chunk_size <= 0 || im_tokens == s.tokens as i64;
+    if !same_point {
+        rep.notes.push(format!(
+            "imatrix {} covers {} chunks × {} = {im_tokens} tokens, the JSON {} tokens (checkpoints of different moments): counts not compared",
+            p.display(),
+            im.chunk_count,
+            im.chunk_size,
+            s.tokens
+        ));
+    }
+    for l in &s.layers {
+        let name = format!("blk.{}.ffn_down_exps.weight", l.layer);
+        let Some(e) = im.entries.get(&name) else {
+            rep.check(false, format!("layer {}: imatrix {} has no {name}", l.layer, p.display()));
+            continue;
+        };
+        if e.counts.len() != l.n_expert {
+            rep.check(false, format!("layer {}: {name} has counts for {} experts, the JSON {}", l.layer, e.counts.len(), l.n_expert));
+        } else if same_point {
+            let same = e.counts.iter().zip(&l.count).all(|(&a, &b)| a >= 0 && a as u64 == b);
+            rep.check(same, format!("layer {}: count equals the imatrix counts of {name}", l.layer));
+        }
+    }
 }
 
 /// Per phase (prefill, decode): rows, and per MoE layer the times each expert was selected.

@@ -62,6 +62,62 @@ fn check_fails_on_a_tampered_json() {
 }
 
 #[test]
+fn check_compares_layers_and_shapes_with_the_imatrix_and_zeros_of_dead_experts() {
+    let d = temp_dir("reap-check-shapes");
+    calibrate(&d, &fixture("qwen3moe"), &["-c", "256", "-b", "256", "--chunks", "2"]);
+    let base: serde_json::Value = serde_json::from_slice(&read(&d.join("i.reap.json"))).unwrap();
+    let fails = |args: &[&str], line: &str| {
+        let out = check(&d, args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{args:?}:\n{text}");
+        assert!(text.contains(&format!("[FAIL] {line}")), "{args:?}: no [FAIL] {line}:\n{text}");
+    };
+    let write = |name: &str, v: &serde_json::Value| std::fs::write(d.join(name), serde_json::to_vec(v).unwrap()).unwrap();
+
+    // the same run's legacy .dat: no per-expert counts there, so a note instead of a failure
+    run_ok(
+        Command::new(ours()).current_dir(&d).arg("-m").arg(fixture("qwen3moe")).arg("-f").arg(corpus())
+            .args(["-t", "2", "--no-ppl", "-c", "256", "-b", "256", "--chunks", "2", "--output-format", "dat", "-o", "d.dat"]),
+    );
+    let out = check(&d, &["--reap", "d.reap.json", "--imatrix", "d.dat"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("legacy .dat file") && text.contains("are the JSON's"), "{text}");
+
+    // another model's imatrix (16 experts, other token count): caught by its shapes even though
+    // the counts of two moments are not compared
+    let other = temp_dir("reap-check-shapes-other");
+    let m16 = fixture_with("check-e16", &["--experts", "16", "--experts-used", "4", "--dead", "2"]);
+    calibrate(&other, &m16, &["-c", "256", "-b", "256", "--chunks", "3"]);
+    let im16 = other.join("i.gguf");
+    fails(&["--reap", "i.reap.json", "--imatrix", im16.to_str().unwrap()], "layer 0: blk.0.ffn_down_exps.weight has counts for 16 experts, the JSON 32");
+
+    // a layer dropped, doubled or out of order in the JSON
+    let mut v = base.clone();
+    v["layers"].as_array_mut().unwrap().remove(3);
+    write("dropped.json", &v);
+    fails(&["--reap", "dropped.json", "--imatrix", "i.gguf"], "imatrix i.gguf: its MoE layers (ffn_down_exps) [0, 1, 2, 3] are the JSON's [0, 1, 2]");
+    let mut v = base.clone();
+    v["layers"][3] = v["layers"][2].clone();
+    write("doubled.json", &v);
+    fails(&["--reap", "doubled.json"], "layers in block order, each once: [0, 1, 2, 2]");
+    let mut v = base.clone();
+    v["layers"].as_array_mut().unwrap().swap(2, 3);
+    write("swapped.json", &v);
+    fails(&["--reap", "swapped.json"], "layers in block order, each once: [0, 1, 3, 2]");
+
+    // an expert never routed with something summed into it
+    let layer0 = &base["layers"][0];
+    let dead = (0..32).find(|&e| layer0["count"][e].as_u64() == Some(0)).expect("the fixture has dead experts in layer 0");
+    for key in ["ean_sum", "max_l2", "router_prob_sum"] {
+        let mut v = base.clone();
+        v["layers"][0][key][dead] = 0.25.into();
+        write("dead.json", &v);
+        fails(&["--reap", "dead.json"], &format!("layer 0: count = 0 ⇒ every sum = 0 (not: {key})"));
+    }
+}
+
+#[test]
 fn trace_on_or_off_leaves_the_imatrix_and_sums_unchanged() {
     let model = fixture("qwen2moe");
     let (a, b) = (temp_dir("reap-trace-off"), temp_dir("reap-trace-on"));
