@@ -209,6 +209,31 @@ fn keep_map_forced_misses_and_the_in_sample_note() {
     let o = replay(&["--trace", s(&trace), "--policy", "lru", "--capacity", "2", "--keep-map", s(&map), "--json", s(&out)]);
     assert!(o.status.success());
     assert_eq!(json(&out)["validity"]["same_run"], "unknown");
+    // with --reap of the source but a trace shorter than the 4 rows that run had traced: not
+    // that run's trace, so not confirmed, and the note does not call the replay in-sample
+    let short = d.join("short.trace");
+    write_trace(&short, &[0], 6, 2, 3, &rows[..3]);
+    let o = replay(&[
+        "--trace", s(&short), "--policy", "lru", "--capacity", "2", "--keep-map", s(&map), "--reap", s(&sal_path), "--json", s(&out),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("IN-SAMPLE if this trace is of that run") && err.contains("traced 4 rows and this trace holds 3"), "{err}");
+    assert_eq!(json(&out)["validity"]["same_run"], "unknown");
+    // a map recording another model's expert count is refused, naming the map
+    let mut other: serde_json::Value = json(&map);
+    other["model"] = serde_json::json!({"path": "other.gguf", "sha256": null, "expert_count": 16});
+    let other_path = d.join("other-model.json");
+    std::fs::write(&other_path, other.to_string()).unwrap();
+    let o = replay(&["--trace", s(&trace), "--policy", "lru", "--capacity", "2", "--keep-map", s(&other_path)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("other-model.json") && err.contains("16 experts per layer; the trace has 6"), "{err}");
+    // a --json that cannot be written is refused before the replay
+    let o = replay(&["--trace", s(&trace), "--policy", "lru", "--capacity", "2", "--json", s(&d.join("no-such-dir/r.json"))]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--json") && err.contains("does not exist"), "{err}");
     // a keep map for another layer layout is refused
     let bad = d.join("bad.json");
     std::fs::write(&bad, r#"{"method": "x", "k": 2, "layers": [{"layer": 3, "keep": [0, 1]}]}"#).unwrap();

@@ -251,6 +251,10 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         return Ok(0);
     }
     let trace_path = args.trace.as_ref().expect("clap requires --trace");
+    // a replay of a long trace takes a while: a --json it cannot write fails now, not after it
+    if let Some(out) = &args.json {
+        atomic::check_writable(out).map_err(|e| usage(format!("--json {e}")))?;
+    }
     let trace = TraceReader::open(trace_path).map_err(|e| usage(format!("--trace: {e:#}")))?;
     let h = trace.header.clone();
     let (nl, ne, k) = (h.n_layers(), h.n_expert as usize, h.k as usize);
@@ -476,17 +480,29 @@ fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, 
             note,
         ));
     }
-    let same_run = match reap {
+    let (same_run, why) = match reap {
         Some(r) => {
             let bytes = std::fs::read(r).map_err(|e| usage(format!("--reap {}: {e}", r.display())))?;
-            if sha256_hex(&bytes) == src.sha256 {
-                "confirmed"
+            if sha256_hex(&bytes) != src.sha256 {
+                ("different", "--reap is not the keep map's source file, so the map was fitted on another run (or another checkpoint)".to_string())
+            } else if src.trace_tokens_written == 0 {
+                ("unknown", "--reap is the keep map's source, but that run wrote no trace: this trace is another run's".to_string())
+            } else if trace.n_rows >= src.trace_tokens_written {
+                // a JSON of a checkpoint counts fewer rows than its run's trace goes on to hold
+                ("confirmed", "--reap has the keep map's source sha256".to_string())
             } else {
-                "different"
+                let why = format!(
+                    "--reap is the keep map's source, but that run had traced {} rows and this trace holds {}: another run's trace",
+                    src.trace_tokens_written, trace.n_rows
+                );
+                ("unknown", why)
             }
         }
-        None if src.trace_tokens_written > 0 && src.trace_tokens_written == trace.n_rows => "assumed",
-        None => "unknown",
+        None if src.trace_tokens_written > 0 && src.trace_tokens_written == trace.n_rows => (
+            "assumed",
+            format!("the trace has exactly the {} rows the map's source run traced; pass --reap to confirm", src.trace_tokens_written),
+        ),
+        None => ("unknown", "pass --reap with the trace's saliency JSON to tell".to_string()),
     };
     let overlap = match visit {
         Rows::Range(_) => rows.end.min(src.tokens).saturating_sub(rows.start),
@@ -495,14 +511,6 @@ fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, 
     let in_sample = match same_run {
         "different" => Value::Null,
         _ => json!(overlap > 0),
-    };
-    let why = match same_run {
-        "confirmed" => "--reap has the keep map's source sha256".to_string(),
-        "assumed" => {
-            format!("the trace has exactly the {} rows the map's source run traced; pass --reap to confirm", src.trace_tokens_written)
-        }
-        "different" => "--reap is not the keep map's source file, so the map was fitted on another run (or another checkpoint)".to_string(),
-        _ => "pass --reap with the trace's saliency JSON to tell".to_string(),
     };
     let note = match same_run {
         "different" => format!(
@@ -523,7 +531,11 @@ fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, 
                 src.path,
                 rows.start,
                 rows.end,
-                if overlap > 0 { "the replay is IN-SAMPLE" } else { "out-of-sample" },
+                match (overlap > 0, same_run) {
+                    (false, _) => "out-of-sample",
+                    (true, "unknown") => "the replay is IN-SAMPLE if this trace is of that run",
+                    (true, _) => "the replay is IN-SAMPLE",
+                },
             )
         }
     };

@@ -88,6 +88,9 @@ impl KeepMap {
     /// experts each; `what` names that other side in the message ("the trace", "MODEL").
     /// A map for another model fails here, before anything is computed.
     pub fn fits(&self, blocks: &[u32], n_expert: usize, what: &str) -> std::result::Result<(), String> {
+        if let Some(n) = self.model.as_ref().and_then(|m| m.expert_count).filter(|&n| n != n_expert as u64) {
+            return Err(format!("made for a model with {n} experts per layer; {what} has {n_expert}"));
+        }
         if self.layers.len() != blocks.len() {
             return Err(format!("{} layers, {what} has {} MoE layers (a keep map for another model?)", self.layers.len(), blocks.len()));
         }
