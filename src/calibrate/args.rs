@@ -146,8 +146,9 @@ pub struct ImatrixArgs {
     #[arg(long = "chunk-sampling", value_name = "prefix|even|seeded", default_value = "prefix", help_heading = "Coverage")]
     pub chunk_sampling: crate::calibrate::coverage::ChunkSampling,
 
-    /// seed of --chunk-sampling seeded
-    #[arg(long = "seed", value_name = "N", default_value_t = 0, help_heading = "Coverage")]
+    /// seed of --chunk-sampling seeded (upstream's `-s`; its default -1, "random" there, is
+    /// seed 0 here, so a run reproduces)
+    #[arg(short = 's', long = "seed", value_name = "N", default_value = "0", allow_hyphen_values = true, value_parser = parse_seed, help_heading = "Coverage")]
     pub seed: u64,
 
     /// MIX.domains.tsv (from `reap-imatrix corpus`): per-domain coverage and REAP sums
@@ -186,4 +187,12 @@ impl ImatrixArgs {
 pub fn beside_output(output: &std::path::Path, suffix: &str) -> PathBuf {
     let stem = output.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "imatrix".into());
     output.with_file_name(format!("{stem}{suffix}"))
+}
+
+/// `--seed`: a non-negative integer, or upstream's default -1, which is seed 0 here.
+fn parse_seed(s: &str) -> std::result::Result<u64, String> {
+    match s {
+        "-1" => Ok(0),
+        _ => s.parse::<u64>().map_err(|_| format!("\"{s}\" is not a seed (a non-negative integer, or -1 for the default 0)")),
+    }
 }

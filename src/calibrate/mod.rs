@@ -114,7 +114,7 @@ impl Plan {
     pub fn check_outputs(&self) -> Result<()> {
         let outs = self.outputs();
         for (i, (flag, p)) in outs.iter().enumerate() {
-            if let Some((other, _)) = outs[..i].iter().find(|(_, q)| same_file(p, q)) {
+            if let Some((other, _)) = outs[..i].iter().find(|(_, q)| crate::formats::atomic::same_file(p, q)) {
                 bail!(UsageError(format!("{flag} and {other} name the same file {}", p.display())));
             }
             crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("{flag} {e}")))?;
@@ -494,14 +494,7 @@ impl Outputs<'_> {
     }
 }
 
-/// The domain of tokens that start outside every range of a `--domains` file.
-pub const NO_DOMAIN: &str = "(none)";
-
-/// Two spellings of one path (`a.json`, `./a.json`), compared without touching the disk.
-fn same_file(a: &Path, b: &Path) -> bool {
-    let norm = |p: &Path| -> PathBuf { p.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect() };
-    norm(a) == norm(b)
-}
+pub use crate::formats::domains::NO_DOMAIN;
 
 /// Whether the gate weights the graph applies come out of the top-k normalisation.
 fn is_normalised_node(name: &str) -> bool {

@@ -176,19 +176,12 @@ pub fn rpc_servers(servers: &str) -> Result<()> {
 pub fn outputs_are_not_inputs(outputs: &[(&'static str, PathBuf)], inputs: &[(&'static str, PathBuf)]) -> Result<()> {
     for (oflag, o) in outputs {
         for (iflag, i) in inputs {
-            if same_existing_file(o, i) {
+            if crate::formats::atomic::same_file(o, i) {
                 bail!(UsageError(format!("{oflag} {} is the {iflag} input: it would be overwritten", o.display())));
             }
         }
     }
     Ok(())
-}
-
-fn same_existing_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => false,
-    }
 }
 
 #[cfg(test)]

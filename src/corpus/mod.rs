@@ -104,7 +104,14 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
         bail!(UsageError("--max-doc-tokens must be at least 1".into()));
     }
     let (dom_path, rep_path) = (domains_path(&args.output), report_path(&args.output));
+    let inputs: Vec<(String, &Path)> = std::iter::once(("-m".to_string(), args.model.as_path()))
+        .chain(specs.iter().map(|s| (format!("--source {}", s.name), s.path.as_path())))
+        .chain(args.eval.iter().map(|p| ("--eval".to_string(), p.as_path())))
+        .collect();
     for p in [&args.output, &dom_path, &rep_path] {
+        if let Some((flag, _)) = inputs.iter().find(|(_, i)| crate::formats::atomic::same_file(p, i)) {
+            bail!(UsageError(format!("-o {}: writes {}, which is the {flag} input: it would be overwritten", args.output.display(), p.display())));
+        }
         crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("-o {e}")))?;
     }
     let model = Model::load(&args.model, &ModelParams { vocab_only: true, ..Default::default() })?;
@@ -116,14 +123,17 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
     for (spec, share) in specs.into_iter().zip(shares) {
         let docs = sources::read_jsonl(&spec.path)?;
         let what = format!("source {} ({})", spec.name, spec.path.display());
-        let docs = render_all(docs, template.as_deref(), &what, &args.model)?;
+        let mut docs = render_all(docs, template.as_deref(), &what, &args.model)?;
+        // empty once trimmed: skipped, so neither a duplicate of another empty one nor an
+        // "overlap" with an empty --eval document
+        docs.retain(|(_, t)| !t.trim().is_empty());
         srcs.push(Source { spec, share, docs });
     }
     let mut eval_docs = Vec::new();
     for p in &args.eval {
         let docs = sources::read_jsonl(p)?;
         let rendered = render_all(docs, template.as_deref(), &format!("--eval {}", p.display()), &args.model)?;
-        eval_docs.extend(rendered.into_iter().map(|(line, t)| (format!("{}:{line}", p.display()), t)));
+        eval_docs.extend(rendered.into_iter().filter(|(_, t)| !t.trim().is_empty()).map(|(line, t)| (format!("{}:{line}", p.display()), t)));
     }
     let t_read = t0.elapsed();
 

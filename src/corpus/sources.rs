@@ -24,6 +24,9 @@ impl SourceSpec {
         if name.is_empty() || name.contains(['\t', '\n', ',', '=']) {
             return Err(format!("--source {s}: the name must be non-empty, without tabs, newlines, commas or '='"));
         }
+        if name == crate::formats::domains::NO_DOMAIN {
+            return Err(format!("--source {s}: the name \"{name}\" is kept for tokens outside every document"));
+        }
         let (path, share) = match rest.rsplit_once(':') {
             Some((p, sh)) if !p.is_empty() && sh.parse::<f64>().is_ok() => (p, Some(sh.parse::<f64>().unwrap())),
             _ => (rest, None),

@@ -154,7 +154,7 @@ fn check_files(args: &EvalArgs, candidates: &[Candidate]) -> Result<()> {
     let inputs: Vec<&Path> = [args.base.as_path(), args.file.as_path()].into_iter().chain(candidates.iter().map(Candidate::path)).collect();
     for (flag, out) in [("--json", &args.json), ("--base-logits", &args.base_logits)] {
         let Some(out) = out else { continue };
-        if inputs.iter().any(|i| same_file(i, out)) {
+        if inputs.iter().any(|i| atomic::same_file(i, out)) {
             bail!(usage(format!("{flag} {} is also an input", out.display())));
         }
         if flag == "--json" || !out.exists() {
@@ -162,13 +162,6 @@ fn check_files(args: &EvalArgs, candidates: &[Candidate]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(x), Ok(y)) => x == y,
-        _ => a == b,
-    }
 }
 
 pub fn run(args: &EvalArgs) -> Result<i32> {

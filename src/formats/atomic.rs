@@ -11,6 +11,18 @@ pub fn temp_path(target: &Path) -> PathBuf {
     target.with_file_name(name)
 }
 
+/// Whether two paths name one file: the same spelling once made absolute (`a.json`,
+/// `./a.json`; for outputs that do not exist yet), or, both existing, the same inode (a
+/// symlink or hard link to it). Used to refuse an output that would overwrite an input.
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let lexical = |p: &Path| -> Option<PathBuf> {
+        Some(std::path::absolute(p).ok()?.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect())
+    };
+    let inode = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+    a == b || matches!((lexical(a), lexical(b)), (Some(x), Some(y)) if x == y) || matches!((inode(a), inode(b)), (Some(x), Some(y)) if x == y)
+}
+
 /// Whether `target` can be written the way `replace_with` writes it: its folder exists and a
 /// temporary file can be created (and is removed) there. Checked before a long run starts, so a
 /// typo in an output path costs a second, not the whole computation.

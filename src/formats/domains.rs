@@ -13,6 +13,13 @@ use std::path::Path;
 
 pub const HEADER: &str = "start\tend\tdomain\ttokens";
 
+/// The domain of tokens that start outside every range (calibration lists it when there are
+/// any); a file may not use the name itself.
+pub const NO_DOMAIN: &str = "(none)";
+
+/// Calibration stores each token's domain as a u16, one value kept for [NO_DOMAIN].
+pub const MAX_DOMAINS: usize = u16::MAX as usize;
+
 /// One document's range.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Range {
@@ -32,13 +39,24 @@ pub struct Domains {
 impl Domains {
     /// Domain names in order of first appearance.
     pub fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = Vec::new();
-        for r in &self.ranges {
-            if !v.contains(&r.domain) {
-                v.push(r.domain.clone());
-            }
-        }
-        v
+        self.name_ids().1
+    }
+
+    /// Each range's index into the names, and the names in order of first appearance.
+    fn name_ids(&self) -> (Vec<usize>, Vec<String>) {
+        let mut index: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        let mut names = Vec::new();
+        let ids = self
+            .ranges
+            .iter()
+            .map(|r| {
+                *index.entry(&r.domain).or_insert_with(|| {
+                    names.push(r.domain.clone());
+                    names.len() - 1
+                })
+            })
+            .collect();
+        (ids, names)
     }
 
     /// Parses `text` (the file's contents); `name` names the file in errors; `text_len` is the
@@ -66,6 +84,9 @@ impl Domains {
             if f[2].is_empty() {
                 return Err(format!("{at}: empty domain name"));
             }
+            if f[2] == NO_DOMAIN {
+                return Err(format!("{at}: the domain name \"{NO_DOMAIN}\" is kept for tokens outside every range"));
+            }
             if start >= end {
                 return Err(format!("{at}: empty or reversed range [{start}, {end})"));
             }
@@ -82,7 +103,12 @@ impl Domains {
             }
             ranges.push(Range { start, end, domain: f[2].to_string(), tokens });
         }
-        Ok(Domains { ranges })
+        let d = Domains { ranges };
+        let n = d.name_ids().1.len();
+        if n > MAX_DOMAINS {
+            return Err(format!("{name}: {n} distinct domain names; calibration keeps at most {MAX_DOMAINS}"));
+        }
+        Ok(d)
     }
 
     /// Reads and validates `path` against a text of `text_len` bytes.
@@ -110,8 +136,7 @@ impl Domains {
     /// For each byte offset in `offsets` (ascending), the index into `names()` of the range
     /// holding it, or None for bytes outside every range.
     pub fn domain_of_offsets(&self, offsets: &[u64]) -> Vec<Option<u16>> {
-        let names = self.names();
-        let ids: Vec<u16> = self.ranges.iter().map(|r| names.iter().position(|n| n == &r.domain).unwrap() as u16).collect();
+        let ids: Vec<u16> = self.name_ids().0.into_iter().map(|i| i as u16).collect();
         let mut out = Vec::with_capacity(offsets.len());
         let mut i = 0;
         for &o in offsets {
@@ -148,5 +173,25 @@ mod tests {
         assert!(e.contains("empty or reversed"), "{e}");
         let e = Domains::parse("start\tend\tdomain\nx\t4\ta\n", "d.tsv", 20).unwrap_err();
         assert!(e.contains("start \"x\""), "{e}");
+        let e = Domains::parse("start\tend\tdomain\n0\t4\t(none)\n", "d.tsv", 20).unwrap_err();
+        assert!(e.contains("d.tsv:2") && e.contains("kept for tokens outside every range"), "{e}");
+    }
+
+    #[test]
+    fn more_domains_than_a_u16_holds_are_refused_and_the_most_allowed_map_right() {
+        let file = |n: usize| {
+            let mut s = format!("{HEADER}\n");
+            for i in 0..n {
+                s += &format!("{i}\t{}\td{i}\t1\n", i + 1);
+            }
+            s
+        };
+        let e = Domains::parse(&file(MAX_DOMAINS + 1), "d.tsv", 1 << 20).unwrap_err();
+        assert!(e.contains("d.tsv: 65536 distinct domain names; calibration keeps at most 65535"), "{e}");
+        let d = Domains::parse(&file(MAX_DOMAINS), "d.tsv", 1 << 20).unwrap();
+        let offsets: Vec<u64> = (0..MAX_DOMAINS as u64 + 1).collect();
+        let ids = d.domain_of_offsets(&offsets);
+        assert!(ids[..MAX_DOMAINS].iter().enumerate().all(|(i, &id)| id == Some(i as u16)));
+        assert_eq!(ids[MAX_DOMAINS], None);
     }
 }

@@ -209,6 +209,8 @@ fn planted_duplicates_and_eval_leaks_are_dropped_and_counted() {
     let mut a: Vec<Value> = base.iter().map(|t| json!({"text": t})).collect();
     a.push(json!({"text": base[5].replace(' ', "  \n ")})); // exact duplicate within the source
     a.push(json!({"text": format!("  {leak_exact}\n")})); // an eval text, whitespace aside
+    // empty documents are skipped: not duplicates of each other, nor overlaps of an empty eval one
+    a.extend([json!({"text": ""}), json!({"text": " \n "})]);
     let b: Vec<Value> = vec![
         json!({"text": base[7].clone()}),               // exact duplicate across sources
         json!({"text": near}),                          // near duplicate across sources
@@ -218,7 +220,7 @@ fn planted_duplicates_and_eval_leaks_are_dropped_and_counted() {
     ];
     write_jsonl(&d.join("a.jsonl"), &a);
     write_jsonl(&d.join("b.jsonl"), &b);
-    write_jsonl(&d.join("eval.jsonl"), &[json!({"text": leak_exact}), json!({"text": leak_inside}), json!({"text": w.doc(30)})]);
+    write_jsonl(&d.join("eval.jsonl"), &[json!({"text": leak_exact}), json!({"text": leak_inside}), json!({"text": w.doc(30)}), json!({"text": "  "})]);
     let args = ["--source", "a=a.jsonl:0.9", "--source", "b=b.jsonl:0.1", "--tokens", "400", "--eval", "eval.jsonl", "-o", "m.txt"];
     let out = corpus_cmd(&d, &model, &args);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -263,6 +265,16 @@ fn bad_input_is_named_and_nothing_is_written() {
         assert!(e.contains(want), "{args:?}: {e}");
         assert!(!d.join("x.txt").exists() && !d.join("x.domains.tsv").exists() && !d.join("x.report.json").exists());
     }
+    // an output that is an input (here the source itself) is refused and the input kept
+    let before = read(&d.join("ok.jsonl"));
+    let out = corpus_cmd(&d, &model, &["--source", "a=ok.jsonl", "--tokens", "5", "-o", "./ok.jsonl"]);
+    assert_eq!(out.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("which is the --source a input: it would be overwritten"), "{e}");
+    assert_eq!(read(&d.join("ok.jsonl")), before);
+    let out = corpus_cmd(&d, &model, &["--source", "(none)=ok.jsonl", "--tokens", "5", "-o", "x.txt"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is kept for tokens outside every document"));
 }
 
 /// The bundled mix is what `corpus` makes of the bundled sources for the fixture's vocab.

@@ -160,6 +160,18 @@ fn seeded_sampling_with_domains_on_qwen2moe_checks_and_reproduces() {
     let m: Value = serde_json::from_slice(&read(&d2.join("i.manifest.json"))).unwrap();
     let idx2: Vec<u64> = m["coverage"]["chunk_indices"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     assert_ne!(idx, idx2);
+    // upstream's spellings: `-s N` is --seed N, and its default `--seed -1` is the default here
+    let of = |extra: &[&str]| -> Vec<u64> {
+        let d3 = temp_dir("coverage-seeded-3");
+        calibrate(&d3, &model, &[&["-c", "128", "-b", "128", "--chunks", "4", "--chunk-sampling", "seeded", "--no-reap"], extra].concat());
+        let m: Value = serde_json::from_slice(&read(&d3.join("i.manifest.json"))).unwrap();
+        m["coverage"]["chunk_indices"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect()
+    };
+    assert_eq!(of(&["-s", "4"]), idx2);
+    assert_eq!(of(&["--seed", "-1"]), of(&[]));
+    let bad = run(Command::new(ours()).arg("-m").arg(&model).arg("-f").arg(mix()).args(["--chunk-sampling", "seeded", "--seed", "-2"]));
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("\"-2\" is not a seed"));
 }
 
 #[test]

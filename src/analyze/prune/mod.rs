@@ -120,12 +120,6 @@ fn open_gguf(path: &Path, what: &str) -> Result<Source> {
     Ok(Source { file, map, header })
 }
 
-/// The file a path names, as (device, inode), when it exists.
-fn file_id(p: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
-}
-
 /// Refuses an output that is one of the inputs (or the other output), an existing output
 /// without `force`, and an output folder that cannot be written.
 fn check_outputs(opts: &PruneOptions) -> Result<()> {
@@ -135,15 +129,9 @@ fn check_outputs(opts: &PruneOptions) -> Result<()> {
         inputs.push(("--imatrix", i));
         outputs.push(("--imatrix-out", o));
     }
-    let same = |a: &Path, b: &Path| {
-        a == b || matches!((file_id(a), file_id(b)), (Some(x), Some(y)) if x == y) || {
-            let abs = |p: &Path| std::path::absolute(p).ok();
-            abs(a).is_some() && abs(a) == abs(b)
-        }
-    };
     for (oi, (of, o)) in outputs.iter().enumerate() {
         for (f, i) in inputs.iter().chain(&outputs[..oi]) {
-            if same(o, i) {
+            if atomic::same_file(o, i) {
                 return Err(usage(format!("{of} {}: the same file as {f} (an output must not overwrite an input)", o.display())));
             }
         }
