@@ -4,10 +4,17 @@
 //! consistent outputs (see `calibrate`). A second signal exits at once (`_exit`, code 128 +
 //! signal), leaving every file as its last complete write left it.
 //!
-//! The handler only touches atomics and calls async-signal-safe functions (`write`, `_exit`,
-//! `signal`, `raise`).
+//! Before the process ends of a signal (or exits at a second one), the temporary files it was
+//! writing (`remove_on_signal`: every atomic write's `NAME.tmpPID`, eval's scratch folder and
+//! its pruned models) are removed, after a child it waits on (`child`: eval's `prune`) is
+//! stopped, so an interrupted run leaves no half-written gigabytes behind. SIGKILL still can.
+//!
+//! The handler only touches atomics and static buffers and calls async-signal-safe functions
+//! (`write`, `_exit`, `signal`, `raise`, `unlink`, `rmdir`, `kill`, `waitpid`).
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::cell::UnsafeCell;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicUsize, Ordering};
 
 static RECEIVED: AtomicUsize = AtomicUsize::new(0);
 static LAST: AtomicI32 = AtomicI32::new(0);
@@ -63,6 +70,96 @@ pub fn name(sig: i32) -> String {
     }
 }
 
+/// Paths to remove if a signal ends the process: fixed slots, so the handler reads only
+/// static memory. A slot is FREE, being FILLED by its owner, or ARMED (the handler may read it).
+const SLOTS: usize = 16;
+const PATH_BYTES: usize = 4096;
+const FREE: u8 = 0;
+const FILLED: u8 = 1;
+const ARMED: u8 = 2;
+
+struct Slot {
+    state: AtomicU8,
+    path: UnsafeCell<[u8; PATH_BYTES]>,
+}
+
+// SAFETY: `path` is written only by the thread that moved `state` FREE → FILLED, and read
+// (by the handler) only while `state` is ARMED.
+unsafe impl Sync for Slot {}
+
+static CLEANUP: [Slot; SLOTS] = [const { Slot { state: AtomicU8::new(FREE), path: UnsafeCell::new([0; PATH_BYTES]) } }; SLOTS];
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+/// While it lives, a signal that ends the process removes its path first (a file, or a
+/// folder once the registered files in it are gone).
+pub struct RemoveOnSignal(Option<usize>);
+
+/// Registers `path` (best effort: a path longer than PATH_MAX, or all slots taken, is not).
+pub fn remove_on_signal(path: &Path) -> RemoveOnSignal {
+    use std::os::unix::ffi::OsStrExt;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= PATH_BYTES || bytes.contains(&0) {
+        return RemoveOnSignal(None);
+    }
+    for (i, slot) in CLEANUP.iter().enumerate() {
+        if slot.state.compare_exchange(FREE, FILLED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            // SAFETY: this thread owns the slot (FILLED) until it arms it.
+            unsafe {
+                let buf = &mut *slot.path.get();
+                buf[..bytes.len()].copy_from_slice(bytes);
+                buf[bytes.len()] = 0;
+            }
+            slot.state.store(ARMED, Ordering::SeqCst);
+            return RemoveOnSignal(Some(i));
+        }
+    }
+    RemoveOnSignal(None)
+}
+
+impl Drop for RemoveOnSignal {
+    fn drop(&mut self) {
+        if let Some(i) = self.0 {
+            CLEANUP[i].state.store(FREE, Ordering::SeqCst);
+        }
+    }
+}
+
+/// While it lives, a signal that ends the process is passed to the child `pid` first, and
+/// the handler waits for it to end (so it can remove its own temporary files).
+pub struct ChildGuard(());
+
+pub fn child(pid: u32) -> ChildGuard {
+    CHILD.store(pid as i32, Ordering::SeqCst);
+    ChildGuard(())
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        CHILD.store(0, Ordering::SeqCst);
+    }
+}
+
+/// In the handler: stop the child, then remove the registered files, then the folders.
+fn clean_up(sig: libc::c_int) {
+    // SAFETY: kill, waitpid, unlink and rmdir are async-signal-safe; a slot's buffer is read
+    // only while it is ARMED.
+    unsafe {
+        let pid = CHILD.load(Ordering::SeqCst);
+        if pid > 0 {
+            libc::kill(pid, sig);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+        }
+        // files first, then the folders they were in
+        for remove in [libc::unlink, libc::rmdir] {
+            for slot in &CLEANUP {
+                if slot.state.load(Ordering::SeqCst) == ARMED {
+                    remove((*slot.path.get()).as_ptr().cast::<libc::c_char>());
+                }
+            }
+        }
+    }
+}
+
 extern "C" fn on_signal(sig: libc::c_int) {
     let n = RECEIVED.fetch_add(1, Ordering::SeqCst) + 1;
     LAST.store(sig, Ordering::SeqCst);
@@ -75,6 +172,7 @@ extern "C" fn on_signal(sig: libc::c_int) {
         if crate::progress::LINE_SHOWN.load(Ordering::SeqCst) {
             libc::write(libc::STDERR_FILENO, b"\n".as_ptr().cast(), 1);
         }
+        clean_up(sig);
         if graceful {
             libc::write(libc::STDERR_FILENO, SECOND.as_ptr().cast(), SECOND.len());
             libc::_exit(128 + sig);

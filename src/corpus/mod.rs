@@ -307,9 +307,13 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
             "documents_counted": st.counted,
         })).collect::<Vec<_>>(),
     });
-    crate::formats::atomic::write_bytes(&args.output, text.as_bytes()).with_context(|| format!("writing {}", args.output.display()))?;
-    domains.write(&dom_path)?;
-    crate::formats::atomic::write_json(&rep_path, &report, "corpus report")?;
+    // the three files are replaced together: a failed write leaves the previous set whole
+    let report_text = serde_json::to_string_pretty(&report)? + "\n";
+    let tsv = domains.to_tsv();
+    let contents = [text.as_bytes(), tsv.as_bytes(), report_text.as_bytes()];
+    crate::formats::atomic::replace_together(&[&args.output, &dom_path, &rep_path], |i, tmp| {
+        std::fs::write(tmp, contents[i]).with_context(|| format!("writing {}", tmp.display()))
+    })?;
 
     print_table(&srcs, &stats, total, args.tokens);
     eprintln!(

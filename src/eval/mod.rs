@@ -97,15 +97,17 @@ pub struct Outcome {
     pub seconds: f64,
 }
 
-/// The folder for this run's temporary files, removed when the run ends (also on error).
-struct Scratch(PathBuf);
+/// The folder for this run's temporary files, removed when the run ends (also on error, and
+/// on a signal: see `interrupt`).
+struct Scratch(PathBuf, #[allow(dead_code)] crate::interrupt::RemoveOnSignal);
 
 impl Scratch {
     fn new(parent: Option<&Path>) -> Result<Scratch> {
         let parent = parent.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
         let dir = parent.join(format!("reap-eval-{}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| UsageError(format!("--scratch {}: {e}", parent.display())))?;
-        Ok(Scratch(dir))
+        let on_signal = crate::interrupt::remove_on_signal(&dir);
+        Ok(Scratch(dir, on_signal))
     }
 }
 
@@ -152,6 +154,11 @@ fn check_files(args: &EvalArgs, candidates: &[Candidate]) -> Result<()> {
         }
     }
     let inputs: Vec<&Path> = [args.base.as_path(), args.file.as_path()].into_iter().chain(candidates.iter().map(Candidate::path)).collect();
+    if let (Some(j), Some(b)) = (&args.json, &args.base_logits) {
+        if atomic::same_file(j, b) {
+            bail!(usage(format!("--json {} is also --base-logits: the results would replace the base log-probs", j.display())));
+        }
+    }
     for (flag, out) in [("--json", &args.json), ("--base-logits", &args.base_logits)] {
         let Some(out) = out else { continue };
         if inputs.iter().any(|i| atomic::same_file(i, out)) {
@@ -181,8 +188,12 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         bail!(usage("-b and -ub must be positive".into()));
     }
     check_files(args, &candidates)?;
-    if !args.keep_maps.is_empty() {
-        prune::check_available()?;
+    // every model's header now, so a truncated or foreign file fails in a second
+    crate::formats::gguf_header::read_model("--base", &args.base)?;
+    for c in &candidates {
+        if let Candidate::Model(p) = c {
+            crate::formats::gguf_header::read_model("--model", p)?;
+        }
     }
     let (threads, threads_batch) = thread_counts(args.threads, None);
     let (model_params, flash_attn) = args.device.validate()?;
@@ -198,6 +209,14 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         }
         (v.tokenize(&text, true, false)?, v.n_tokens())
     };
+    for c in &candidates {
+        if let Candidate::Model(p) = c {
+            let n = Model::load_vocab(p)?.vocab().n_tokens();
+            if n != n_vocab {
+                bail!(usage(format!("--model {}: vocabulary of {n} tokens, the base's has {n_vocab}", p.display())));
+            }
+        }
+    }
     if tokens.len() < 2 * n_ctx {
         bail!(usage(format!(
             "-f {}: you need at least {} tokens to evaluate with a context of {n_ctx}; the text tokenizes to only {}",
@@ -237,7 +256,11 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
     );
 
     let scratch = Scratch::new(args.scratch.as_deref())?;
+    let maps: Vec<&Path> = args.keep_maps.iter().map(PathBuf::as_path).collect();
+    prune::check_maps(&scratch.0, &args.base, &maps)?;
     let base_file = args.base_logits.clone().unwrap_or_else(|| scratch.0.join("base.logits"));
+    // in the scratch folder (no --base-logits) the base file goes with it, on a signal too
+    let _base_on_signal = args.base_logits.is_none().then(|| crate::interrupt::remove_on_signal(&base_file));
     let settings = json!({
         "batch": layout.n_batch, "ubatch": args.ubatch_size, "flash_attn": args.device.flash_attn, "n_gpu_layers": args.device.n_gpu_layers,
     });
@@ -276,13 +299,13 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
             Candidate::Model(p) => (p.clone(), None),
             Candidate::KeepMap(m) => {
                 let out = prune::prune_into(&scratch.0, &args.base, m, i)?;
-                (out.clone(), Some(out))
+                (out.clone(), Some((crate::interrupt::remove_on_signal(&out), out)))
             }
         };
         eprintln!("\nmodel {}/{}: {}", i + 1, candidates.len(), path.display());
         let summary = compare(&path, &setup, &base_file)?;
         forward_passes += 1;
-        if let Some(p) = pruned {
+        if let Some((_on_signal, p)) = pruned {
             let _ = std::fs::remove_file(p);
         }
         println!("\n### {} ({})", c.label(), c.path().display());

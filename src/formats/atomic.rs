@@ -50,6 +50,7 @@ pub fn check_writable(target: &Path) -> std::result::Result<(), String> {
 /// Writes `target` through `write(tmp_path)` and renames the result into place.
 pub fn replace_with(target: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = temp_path(target);
+    let _on_signal = crate::interrupt::remove_on_signal(&tmp);
     let result = write(&tmp).and_then(|()| {
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
@@ -58,6 +59,32 @@ pub fn replace_with(target: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
     });
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Files that belong together (a pruned model and its imatrix; a mix and its domains and
+/// report): every one is written to its temporary name and synced before any is renamed into
+/// place, so a failed write leaves all the old files, never a new one beside an old one.
+/// `write(i, tmp)` writes the i-th. (A failure between two renames, which write nothing, is
+/// the one window left.)
+pub fn replace_together(targets: &[&Path], mut write: impl FnMut(usize, &Path) -> Result<()>) -> Result<()> {
+    let tmps: Vec<PathBuf> = targets.iter().map(|t| temp_path(t)).collect();
+    let _on_signal: Vec<_> = tmps.iter().map(|t| crate::interrupt::remove_on_signal(t)).collect();
+    let result = (|| {
+        for (i, tmp) in tmps.iter().enumerate() {
+            write(i, tmp)?;
+            std::fs::File::open(tmp).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", tmp.display()))?;
+        }
+        for (tmp, target) in tmps.iter().zip(targets) {
+            std::fs::rename(tmp, target).with_context(|| format!("renaming {} to {}", tmp.display(), target.display()))?;
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        for tmp in &tmps {
+            let _ = std::fs::remove_file(tmp);
+        }
     }
     result
 }
@@ -79,4 +106,30 @@ pub fn write_json(target: &Path, v: &serde_json::Value, what: &str) -> Result<()
 pub fn read_json(path: &Path, what: &str) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).with_context(|| format!("{what} {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{what} {}: not valid JSON", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_replaced_together_stay_old_together_when_one_write_fails() {
+        let d = std::env::temp_dir().join(format!("reap-atomic-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let (a, b) = (d.join("a"), d.join("b"));
+        std::fs::write(&a, "old a").unwrap();
+        std::fs::write(&b, "old b").unwrap();
+        let e = replace_together(&[&a, &b], |i, tmp| {
+            if i == 1 {
+                anyhow::bail!("disk full");
+            }
+            Ok(std::fs::write(tmp, "new a")?)
+        });
+        assert!(e.is_err());
+        assert_eq!((std::fs::read_to_string(&a).unwrap(), std::fs::read_to_string(&b).unwrap()), ("old a".into(), "old b".into()));
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 2, "temporary files left");
+        replace_together(&[&a, &b], |i, tmp| Ok(std::fs::write(tmp, format!("new {i}"))?)).unwrap();
+        assert_eq!((std::fs::read_to_string(&a).unwrap(), std::fs::read_to_string(&b).unwrap()), ("new 0".into(), "new 1".into()));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 }

@@ -6,9 +6,8 @@
 //! are ascending and do not overlap; they need not cover the whole text (bytes outside every
 //! range belong to no domain: see docs/corpus.md for how calibration counts them).
 
-use super::atomic;
 use crate::error::UsageError;
-use anyhow::{bail, Context as _, Result};
+use anyhow::Result;
 use std::path::Path;
 
 pub const HEADER: &str = "start\tend\tdomain\ttokens";
@@ -124,13 +123,6 @@ impl Domains {
             s += &format!("{}\t{}\t{}\t{}\n", r.start, r.end, r.domain, r.tokens.unwrap_or(0));
         }
         s
-    }
-
-    pub fn write(&self, path: &Path) -> Result<()> {
-        if self.ranges.iter().any(|r| r.domain.contains(['\t', '\n'])) {
-            bail!("a domain name holds a tab or newline");
-        }
-        atomic::write_bytes(path, self.to_tsv().as_bytes()).with_context(|| format!("writing domains {}", path.display()))
     }
 
     /// For each byte offset in `offsets` (ascending), the index into `names()` of the range

@@ -258,6 +258,26 @@ fn eval_refuses_bad_input_before_running() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("junk.kld"));
     assert_eq!(read(&junk), b"hello");
+    // --json onto --base-logits would replace the log-probs with the results
+    let same = d.join("same.out");
+    let spelled = d.join(".").join("same.out");
+    let out = run(&mut eval_cmd(&d, &s1, &["--base-logits", same.to_str().unwrap(), "--json", spelled.to_str().unwrap()]).arg("--model").arg(&s1));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is also --base-logits"));
+    // a truncated model: named by its header, before any pass
+    let cut = d.join("cut.gguf");
+    std::fs::write(&cut, &read(&s1)[..1 << 20]).unwrap();
+    let out = run(&mut eval_cmd(&d, &s1, &[]).arg("--model").arg(&cut));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--model") && err.contains("cut.gguf") && !err.contains("base: "), "{err}");
+    // a keep map for another model: prune's --dry-run refuses it before the base pass
+    let map = d.join("other.json");
+    std::fs::write(&map, r#"{"method": "x", "k": 6, "layers": [[0, 1, 2, 3, 4, 5]]}"#).unwrap();
+    let out = run(&mut eval_cmd(&d, &s1, &[]).arg("--keep-map").arg(&map));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("1 layers, but the model has 4 MoE layers") && !err.contains("base: "), "{err}");
 }
 
 #[test]

@@ -125,3 +125,35 @@ fn an_interrupted_offloaded_run_holds_exactly_the_ubatches_before_the_signal() {
         }
     }
 }
+
+/// A signal that ends `eval` removes its scratch folder (the base log-probs being written
+/// there, gigabytes on a real model) before the process dies of it.
+#[test]
+fn a_signal_to_eval_removes_its_scratch_folder() {
+    let d = temp_dir("interrupt-eval");
+    let model = fixture("qwen3moe");
+    let mut child = default_signals(
+        Command::new(ours())
+            .arg("eval")
+            .arg("--base")
+            .arg(&model)
+            .arg("--model")
+            .arg(&model)
+            .arg("-f")
+            .arg(corpus())
+            .args(["-c", "128", "-t", "2", "--scratch"])
+            .arg(&d),
+    )
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let scratch = d.join(format!("reap-eval-{}", child.id()));
+    let tmp = scratch.join(format!("base.logits.tmp{}", child.id()));
+    wait_for_file(&mut child, &tmp);
+    signal(&child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status:?}");
+    assert!(!scratch.exists(), "{} left behind", scratch.display());
+}

@@ -552,3 +552,59 @@ fn prune_refuses_an_imatrix_of_another_model() {
     );
     assert!(!r.dir.join("out.imatrix.gguf").exists());
 }
+
+#[test]
+fn prune_refuses_an_imatrix_of_a_model_with_other_widths() {
+    // same layers and expert count, another n_embd: the per-expert slicing fits, the widths
+    // do not (llama-quantize would refuse the pair later)
+    let r = Refusal::new("imatrix-width");
+    let other = r.dir.join("wide.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--n-embd", "128", "-o"]).arg(&other));
+    calibrate(&r.dir, &other);
+    r.expect(
+        &r.map(map_json(&k6())),
+        &["--imatrix", "imatrix.gguf", "--imatrix-out", "out.imatrix.gguf"],
+        "sums for 128 columns × 1 matrices, but the model's",
+    );
+    assert!(!r.dir.join("out.imatrix.gguf").exists());
+}
+
+#[test]
+fn prune_refuses_a_shard_of_a_split_model_naming_the_merge() {
+    let r = Refusal::new("split");
+    // a GGUF v3 with no tensors and the two keys llama-gguf-split writes into every shard
+    let mut b = b"GGUF".to_vec();
+    b.extend(3u32.to_le_bytes());
+    b.extend(0u64.to_le_bytes());
+    b.extend(2u64.to_le_bytes());
+    for (key, v) in [("split.no", 0u16), ("split.count", 3u16)] {
+        b.extend((key.len() as u64).to_le_bytes());
+        b.extend(key.as_bytes());
+        b.extend(2u32.to_le_bytes()); // GGUF_TYPE_UINT16
+        b.extend(v.to_le_bytes());
+    }
+    let shard = r.dir.join("big-00001-of-00003.gguf");
+    std::fs::write(&shard, &b).unwrap();
+    let out = run(Command::new(ours()).current_dir(&r.dir).arg("prune").arg("-m").arg(&shard).arg("--keep-map").arg(r.map(map_json(&k6()))).arg("-o").arg(&r.out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("shard 1 of 3 of a split GGUF") && err.contains("llama-gguf-split --merge"), "{err}");
+    assert!(!r.out.exists());
+}
+
+#[test]
+fn dry_run_checks_everything_and_writes_nothing() {
+    let r = Refusal::new("dry-run");
+    calibrate(&r.dir, &fixture("qwen3moe"));
+    let map = r.map(map_json(&k6()));
+    let im_out = r.dir.join("out.imatrix.gguf");
+    let args = ["--imatrix", "imatrix.gguf", "--imatrix-out", "out.imatrix.gguf", "--dry-run"];
+    let out = prune_ok(&fixture("qwen3moe"), &map, &r.out, &args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("--dry-run") && text.contains("32 → 6 experts") && text.contains("nothing written"), "{text}");
+    assert!(!r.out.exists() && !im_out.exists());
+    // and refuses what a run refuses
+    let mut keep = k6();
+    keep[2][5] = 32;
+    r.expect(&r.map(map_json(&keep)), &["--dry-run"], "layer 2: expert id 32 is out of range");
+}

@@ -38,6 +38,9 @@ pub struct PruneArgs {
     /// Replace existing output files
     #[arg(long)]
     pub force: bool,
+    /// Check the model, the map, the imatrix and the outputs as a run would, and write nothing
+    #[arg(long = "dry-run")]
+    pub dry_run: bool,
 }
 
 /// What to prune: the library entry point's input (`eval --keep-map` prunes through it).
@@ -50,6 +53,8 @@ pub struct PruneOptions {
     pub imatrix: Option<(PathBuf, PathBuf)>,
     /// replace existing outputs
     pub force: bool,
+    /// every check, nothing written (`bytes_out` 0)
+    pub dry_run: bool,
 }
 
 /// What was written.
@@ -82,16 +87,25 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
         out: args.out.clone(),
         imatrix: args.imatrix.clone().zip(args.imatrix_out.clone()),
         force: args.force,
+        dry_run: args.dry_run,
     };
     let t0 = std::time::Instant::now();
     let r = prune_model(&opts)?;
+    let shape = format!("{} MoE layers, {} → {} experts", r.moe_layers.len(), r.n_expert, r.k);
+    if args.dry_run {
+        println!(
+            "prune: --dry-run: {} ({}) fits the map: {shape}, {} of {} tensors to slice; nothing written",
+            args.model.display(),
+            r.arch,
+            r.tensors_sliced,
+            r.tensors
+        );
+        return Ok(0);
+    }
     println!(
-        "prune: {} ({}): {} MoE layers, {} → {} experts; {} of {} tensors sliced; {:.1} MiB → {:.1} MiB in {:.2} s",
+        "prune: {} ({}): {shape}; {} of {} tensors sliced; {:.1} MiB → {:.1} MiB in {:.2} s",
         args.out.display(),
         r.arch,
-        r.moe_layers.len(),
-        r.n_expert,
-        r.k,
         r.tensors_sliced,
         r.tensors,
         r.bytes_in as f64 / (1 << 20) as f64,
@@ -197,6 +211,13 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let map = KeepMap::read(&opts.keep_map).map_err(|e| usage(format!("--keep-map: {e:#}")))?;
     let src = open_gguf(&opts.model, "-m")?;
     let (h, b) = (&src.header, &src.map[..]);
+    if let Some(n) = h.uint(b, "split.count").filter(|&n| n > 1) {
+        let no = h.uint(b, "split.no").map_or(String::from("?"), |i| (i + 1).to_string());
+        return Err(usage(format!(
+            "-m {model_arg}: shard {no} of {n} of a split GGUF; prune reads one file: merge the shards first \
+             (`llama-gguf-split --merge FIRST-00001-of-0000{n}.gguf merged.gguf`) and split the pruned model again if needed"
+        )));
+    }
     let arch = h.string(b, "general.architecture").ok_or_else(|| usage(format!("-m {model_arg}: no general.architecture")))?;
     let count_key = format!("{arch}.expert_count");
     let n_expert = h
@@ -252,41 +273,46 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
             }
             let steps = plan::plan(&im.header, plan::imatrix_per_expert, &blocks, k, n_expert)
                 .map_err(|e| usage(format!("--imatrix {}: {e} (an imatrix of another model?)", path.display())))?;
+            plan::imatrix_fits(&im.header, h).map_err(|e| usage(format!("--imatrix {}: {e} (an imatrix of another model?)", path.display())))?;
             Some((im, steps, out))
         }
     };
 
-    let bytes_out = write_gguf(&opts.out, &src, &kvs, &steps, &keep)?;
-    let imatrix_entries_sliced = match &imatrix {
-        None => None,
-        Some((im, steps, out)) => {
-            let kvs: Vec<&[u8]> = im.header.kvs.iter().map(|kv| &im.map[kv.raw.clone()]).collect();
-            write_gguf(out, im, &kvs, steps, &keep)?;
-            Some(steps.iter().filter(|s| s.slice.is_some()).count())
-        }
-    };
-    Ok(PruneReport {
-        arch,
+    let imatrix_entries_sliced = imatrix.as_ref().map(|(_, steps, _)| steps.iter().filter(|s| s.slice.is_some()).count());
+    let report = |bytes_out| PruneReport {
+        arch: arch.clone(),
         n_expert,
         k,
-        moe_layers: blocks,
+        moe_layers: blocks.clone(),
         tensors: steps.len(),
         tensors_sliced: steps.iter().filter(|s| s.slice.is_some()).count(),
         bytes_in: src.map.len() as u64,
         bytes_out,
         imatrix_entries_sliced,
-    })
+    };
+    if opts.dry_run {
+        return Ok(report(0));
+    }
+    // the model and its imatrix are replaced together: a failed imatrix write must not leave
+    // a new model beside an old imatrix of the same name (which would quantize without a word)
+    let mut targets: Vec<&Path> = vec![&opts.out];
+    targets.extend(imatrix.as_ref().map(|(_, _, out)| out.as_path()));
+    let mut bytes_out = 0;
+    atomic::replace_together(&targets, |i, tmp| {
+        if i == 0 {
+            bytes_out = write_gguf(tmp, &src, &kvs, &steps, &keep).with_context(|| format!("writing {}", opts.out.display()))?;
+        } else if let Some((im, steps, out)) = &imatrix {
+            let kvs: Vec<&[u8]> = im.header.kvs.iter().map(|kv| &im.map[kv.raw.clone()]).collect();
+            write_gguf(tmp, im, &kvs, steps, &keep).with_context(|| format!("writing {}", out.display()))?;
+        }
+        Ok(())
+    })?;
+    Ok(report(bytes_out))
 }
 
-/// Writes `src` with the pairs `kvs` and the planned tensors to `out`, atomically.
-fn write_gguf(out: &Path, src: &Source, kvs: &[&[u8]], steps: &[plan::Step], keep: &[Vec<u16>]) -> Result<u64> {
+/// Writes `src` with the pairs `kvs` and the planned tensors to `tmp` (renamed by the caller).
+fn write_gguf(tmp: &Path, src: &Source, kvs: &[&[u8]], steps: &[plan::Step], keep: &[Vec<u16>]) -> Result<u64> {
     let infos: Vec<TensorInfo> = steps.iter().map(|s| s.out.clone()).collect();
     let (header, offsets) = encode_header(src.header.version, kvs, &infos, src.header.alignment);
-    let mut n = 0;
-    atomic::replace_with(out, |tmp| {
-        n = stream::write(tmp, &src.map, &src.file, &header, steps, &offsets, keep, src.header.alignment)?;
-        Ok(())
-    })
-    .with_context(|| format!("writing {}", out.display()))?;
-    Ok(n)
+    stream::write(tmp, &src.map, &src.file, &header, steps, &offsets, keep, src.header.alignment)
 }

@@ -52,6 +52,25 @@ pub fn imatrix_per_expert(name: &str) -> Result<Option<u32>, String> {
     Ok((entry && IMATRIX_PER_EXPERT.contains(&base)).then_some(n))
 }
 
+/// Whether an imatrix was collected on this model: each `<weight>.in_sum2` `[n_in, n_mat]`
+/// names a tensor of the model with `ne[0] = n_in` and `n_mat` matrices (`ne[2]` of an expert
+/// weight, else 1), as `llama-quantize` will require of the pruned pair.
+pub fn imatrix_fits(im: &Header, model: &Header) -> Result<(), String> {
+    for t in &im.tensors {
+        let Some(weight) = t.name.strip_suffix(".in_sum2") else { continue };
+        let m = model.tensors.iter().find(|m| m.name == weight).ok_or_else(|| format!("entry {}: the model has no tensor {weight}", t.name))?;
+        let want = (m.ne[0], m.ne.get(2).copied().unwrap_or(1));
+        let got = (t.ne[0], t.ne.get(1).copied().unwrap_or(1));
+        if got != want {
+            return Err(format!(
+                "entry {}: sums for {} columns × {} matrices, but the model's {weight} has shape {:?} ({} × {})",
+                t.name, got.0, got.1, m.ne, want.0, want.1
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Blocks with a router (`blk.N.ffn_gate_inp.weight`): the MoE layers, ascending.
 pub fn moe_blocks(h: &Header) -> Vec<u32> {
     let mut v: Vec<u32> = h
@@ -165,6 +184,29 @@ mod tests {
         assert!(e.contains("not the model's expert_count 16"), "{e}");
         let e = plan(&h, model_per_expert, &[2], 3, 8).unwrap_err();
         assert!(e.contains("block 1 has no router"), "{e}");
+    }
+
+    #[test]
+    fn an_imatrix_must_name_the_models_tensors_with_their_widths() {
+        let f32_ = sys::GGML_TYPE_F32;
+        let header = |tensors: &[TensorInfo]| {
+            let (head, _) = encode_header(3, &[], tensors, 32);
+            let size: u64 = tensors.iter().map(|t| crate::formats::gguf::pad(t.nbytes(), 32)).sum();
+            let mut file = head;
+            file.resize(file.len() + size as usize, 0);
+            file
+        };
+        let model = header(&[info("blk.0.ffn_down_exps.weight", &[16, 64, 8], f32_), info("blk.0.attn_q.weight", &[64, 64], f32_)]);
+        let model = Header::parse(&model).unwrap();
+        let im = |down: &[u64], q: &[u64]| header(&[info("blk.0.ffn_down_exps.weight.in_sum2", down, f32_), info("blk.0.attn_q.weight.in_sum2", q, f32_)]);
+        assert_eq!(imatrix_fits(&Header::parse(&im(&[16, 8], &[64, 1])).unwrap(), &model), Ok(()));
+        let e = imatrix_fits(&Header::parse(&im(&[32, 8], &[64, 1])).unwrap(), &model).unwrap_err();
+        assert!(e.contains("blk.0.ffn_down_exps.weight.in_sum2: sums for 32 columns × 8 matrices") && e.contains("(16 × 8)"), "{e}");
+        let e = imatrix_fits(&Header::parse(&im(&[16, 8], &[128, 1])).unwrap(), &model).unwrap_err();
+        assert!(e.contains("attn_q.weight.in_sum2: sums for 128 columns"), "{e}");
+        let other = header(&[info("blk.9.attn_q.weight.in_sum2", &[64, 1], f32_)]);
+        let e = imatrix_fits(&Header::parse(&other).unwrap(), &model).unwrap_err();
+        assert!(e.contains("the model has no tensor blk.9.attn_q.weight"), "{e}");
     }
 
     #[test]
