@@ -216,6 +216,14 @@ impl Vocab<'_> {
     pub fn is_control(&self, token: i32) -> bool {
         unsafe { sys::llama_vocab_is_control(self.raw, token) }
     }
+
+    /// A token the tokenizer cuts out of the text as a fragment of its own (control,
+    /// user-defined and unknown tokens: `cache_special_tokens` in the pin's llama-vocab.cpp).
+    pub fn is_special_fragment(&self, token: i32) -> bool {
+        // SAFETY: a valid vocab; llama_vocab_get_attr reads the token's attributes.
+        let attr = unsafe { sys::llama_vocab_get_attr(self.raw, token) };
+        attr & (sys::LLAMA_TOKEN_ATTR_CONTROL | sys::LLAMA_TOKEN_ATTR_USER_DEFINED | sys::LLAMA_TOKEN_ATTR_UNKNOWN) != 0
+    }
 }
 
 impl Vocab<'_> {
@@ -223,30 +231,43 @@ impl Vocab<'_> {
     /// starts: the token pieces are laid over the text one after the other and each must match
     /// the bytes it lands on, so the mapping is proven, not estimated. Two tokens have no bytes
     /// of their own: an added BOS first (offset 0), and the space a SentencePiece vocab puts
-    /// before the text (its first piece then matches without the space). Anything else that
+    /// before the text and after each special token (the first piece of such a fragment then
+    /// matches without its space). Anything else that
     /// does not match is an error (a vocab whose pieces do not spell the text back).
     pub fn token_offsets(&self, text: &[u8], tokens: &[i32]) -> Result<Vec<u64>> {
-        let mut offsets = Vec::with_capacity(tokens.len());
         let mut piece = Vec::with_capacity(64);
+        // a SentencePiece-style vocab puts a space before every text fragment that starts the
+        // text or follows a special token (`</s> words` → `</s>`, `▁▁words`); whether this one
+        // does is read off a probe rather than its settings
+        let probe = self.tokenize(b"a", false, false)?;
+        let space_prefix = match probe.first() {
+            Some(&t) => {
+                self.token_to_piece(t, &mut piece)?;
+                piece.first() == Some(&b' ')
+            }
+            None => false,
+        };
+        let mut offsets = Vec::with_capacity(tokens.len());
         let mut at = 0usize;
-        let mut prefix_space_seen = false;
+        let mut fragment_start = true;
         for (i, &tok) in tokens.iter().enumerate() {
             self.token_to_piece(tok, &mut piece)?;
             let rest = &text[at..];
             offsets.push(at as u64);
-            if rest.starts_with(&piece) {
-                at += piece.len();
+            let special = self.is_special_fragment(tok);
+            // the first piece of a fragment carries the added space: it is not in the text
+            let body = if space_prefix && fragment_start && !special && piece.first() == Some(&b' ') { &piece[1..] } else { &piece[..] };
+            if rest.starts_with(body) {
+                at += body.len();
             } else if i == 0 && tok == self.bos() {
                 // added BOS: zero width
-            } else if !prefix_space_seen && at == 0 && piece.first() == Some(&b' ') && rest.starts_with(&piece[1..]) {
-                prefix_space_seen = true;
-                at += piece.len() - 1;
             } else {
                 bail!(
                     "token {i} (id {tok}, {:?}) does not spell the text at byte {at}: cannot map tokens to byte offsets for this vocab",
                     String::from_utf8_lossy(&piece)
                 );
             }
+            fragment_start = special;
         }
         if at != text.len() {
             bail!("the tokens spell {at} of the text's {} bytes: cannot map tokens to byte offsets for this vocab", text.len());

@@ -187,6 +187,52 @@ fn chat_documents_are_rendered_with_the_models_template() {
     assert!(!d.join("n.txt").exists() && !d.join("n.domains.tsv").exists() && !d.join("n.report.json").exists());
 }
 
+/// A SentencePiece vocab puts a space before the text after each special token (`</s> words`
+/// → `</s>`, `▁▁words`): the tokens of each fragment still start on the text's own bytes, so
+/// `corpus` and `--domains` map them (both failed on such text before).
+#[test]
+fn special_tokens_inside_sentencepiece_text_map_to_their_own_bytes() {
+    let d = temp_dir("corpus-spm-special");
+    let vocab_file = PathBuf::from(std::env::var_os("REAP_IMATRIX_CACHE").map(PathBuf::from).unwrap_or(repo().join("vendor/cache")))
+        .join(format!("llama.cpp-{}", pin_commit()))
+        .join("models/ggml-vocab-llama-spm.gguf");
+    let model = reap_imatrix::llama::Model::load_vocab(&vocab_file).unwrap();
+    let v = model.vocab();
+    let text = b"Some words. </s> trailing words</s>\nafter a newline</s>  two spaces <s>[INST] a question [/INST]";
+    let tokens = v.tokenize(text, true, true).unwrap();
+    let offsets = v.token_offsets(text, &tokens).unwrap();
+    assert_eq!(offsets.len(), tokens.len());
+    // every special token sits on its own spelling in the text, and the next token starts
+    // right after it, whatever space the tokenizer added
+    let mut specials = 0;
+    for (i, &t) in tokens.iter().enumerate() {
+        if i > 0 && v.is_special_fragment(t) {
+            let piece = v.piece(t);
+            let at = offsets[i] as usize;
+            assert_eq!(&text[at..at + piece.len()], &piece[..], "token {i}");
+            if let Some(&next) = offsets.get(i + 1) {
+                assert_eq!(next as usize, at + piece.len(), "the token after special token {i}");
+            }
+            specials += 1;
+        }
+    }
+    assert_eq!(specials, 4, "</s> three times and <s>");
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]));
+
+    // and the whole path: a mix of such documents, its token count upstream's
+    let spm = d.join("spm.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--vocab"]).arg(&vocab_file).arg("-o").arg(&spm));
+    let docs: Vec<Value> = (0..3).map(|i| json!({"text": format!("Document {i}. </s> trailing words</s>\nand a newline {i}")})).collect();
+    write_jsonl(&d.join("s.jsonl"), &docs);
+    let out = corpus_cmd(&d, &spm, &["--source", "s=s.jsonl", "--tokens", "30", "-o", "m.txt"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mix = read(&d.join("m.txt"));
+    // calibration reads the mix without its final newline, and this vocab adds a BOS
+    let up = upstream_count(&d, &spm, mix.strip_suffix(b"\n").unwrap(), "up.txt");
+    assert_eq!(report(&d, "m")["tokens"].as_u64(), Some(up));
+    assert_eq!(domains(&d.join("m.domains.tsv")).iter().map(|r| r.3).sum::<u64>(), up);
+}
+
 fn pin_commit() -> String {
     let pin = std::fs::read_to_string(repo().join("vendor/llama.cpp.pin")).unwrap();
     pin.lines().find_map(|l| l.strip_prefix("commit=")).unwrap().trim().to_string()
