@@ -157,16 +157,16 @@ impl Sums {
         let top_unc = (top * (1.0 - top) / (self.count as f64 - 1.0)).sqrt();
         format!(
             "{chunk:4}    {:9.4} ± {:9.4}    {:10.5} ± {:10.5}    {:10.5} ± {:10.5}    {:6.3} ± {:6.3} %    {:6.3} ± {:6.3} %",
-            ppl,
-            ppl * log_ppl.1,
-            log_ppl.0 - log_base.0,
-            ratio_unc,
-            kld.0,
-            kld.1,
-            100.0 * rms,
-            100.0 * 0.5 / rms * mse.1,
-            100.0 * top,
-            100.0 * top_unc
+            c(ppl),
+            c(ppl * log_ppl.1),
+            c(log_ppl.0 - log_base.0),
+            c(ratio_unc),
+            c(kld.0),
+            c(kld.1),
+            c(100.0 * rms),
+            c(100.0 * 0.5 / rms * mse.1),
+            c(100.0 * top),
+            c(100.0 * top_unc)
         )
     }
 }
@@ -330,36 +330,36 @@ impl Summary {
             o.push('\n');
         };
         line("====== Perplexity statistics ======".into());
-        line(format!("Mean PPL(Q)                   : {:10.6} ± {:10.6}", self.ppl.0, self.ppl.1));
-        line(format!("Mean PPL(base)                : {:10.6} ± {:10.6}", self.base_ppl.0, self.base_ppl.1));
-        line(format!("Cor(ln(PPL(Q)), ln(PPL(base))): {:6.2}%", 100.0 * self.ln_ppl_cor));
-        line(format!("Mean ln(PPL(Q)/PPL(base))     : {:10.6} ± {:10.6}", self.ln_ppl_ratio.0, self.ln_ppl_ratio.1));
-        line(format!("Mean PPL(Q)/PPL(base)         : {:10.6} ± {:10.6}", self.ppl_ratio.0, self.ppl_ratio.1));
-        line(format!("Mean PPL(Q)-PPL(base)         : {:10.6} ± {:10.6}", self.ppl_diff.0, self.ppl_diff.1));
+        line(format!("Mean PPL(Q)                   : {:10.6} ± {:10.6}", c(self.ppl.0), c(self.ppl.1)));
+        line(format!("Mean PPL(base)                : {:10.6} ± {:10.6}", c(self.base_ppl.0), c(self.base_ppl.1)));
+        line(format!("Cor(ln(PPL(Q)), ln(PPL(base))): {:6.2}%", c(100.0 * self.ln_ppl_cor)));
+        line(format!("Mean ln(PPL(Q)/PPL(base))     : {:10.6} ± {:10.6}", c(self.ln_ppl_ratio.0), c(self.ln_ppl_ratio.1)));
+        line(format!("Mean PPL(Q)/PPL(base)         : {:10.6} ± {:10.6}", c(self.ppl_ratio.0), c(self.ppl_ratio.1)));
+        line(format!("Mean PPL(Q)-PPL(base)         : {:10.6} ± {:10.6}", c(self.ppl_diff.0), c(self.ppl_diff.1)));
         line(String::new());
         line("====== KL divergence statistics ======".into());
-        line(format!("Mean    KLD: {:10.6} ± {:10.6}", self.kld_mean.0, self.kld_mean.1));
-        line(format!("Maximum KLD: {:10.6}", self.kld_max));
+        line(format!("Mean    KLD: {:10.6} ± {:10.6}", c(self.kld_mean.0), c(self.kld_mean.1)));
+        line(format!("Maximum KLD: {:10.6}", c(self.kld_max)));
         for (i, (label, _)) in KLD_LEVELS.iter().enumerate() {
             if i == 4 {
-                line(format!("Median  KLD: {:10.6}", self.kld_median));
+                line(format!("Median  KLD: {:10.6}", c(self.kld_median)));
             }
-            line(format!("{label}   KLD: {:10.6}", self.kld_percentiles[i]));
+            line(format!("{label}   KLD: {:10.6}", c(self.kld_percentiles[i])));
         }
-        line(format!("Minimum KLD: {:10.6}", self.kld_min));
+        line(format!("Minimum KLD: {:10.6}", c(self.kld_min)));
         line(String::new());
         line("====== Token probability statistics ======".into());
-        line(format!("Mean    Δp: {:6.3} ± {:5.3} %", 100.0 * self.dp_mean.0, 100.0 * self.dp_mean.1));
-        line(format!("Maximum Δp: {:6.3}%", 100.0 * self.dp_max as f64));
+        line(format!("Mean    Δp: {:6.3} ± {:5.3} %", c(100.0 * self.dp_mean.0), c(100.0 * self.dp_mean.1)));
+        line(format!("Maximum Δp: {:6.3}%", c(100.0 * self.dp_max as f64)));
         for (i, (label, _)) in DP_LEVELS.iter().enumerate() {
             if i == 5 {
-                line(format!("Median  Δp: {:6.3}%", 100.0 * self.dp_median as f64));
+                line(format!("Median  Δp: {:6.3}%", c(100.0 * self.dp_median as f64)));
             }
-            line(format!("{label}   Δp: {:6.3}%", 100.0 * self.dp_percentiles[i] as f64));
+            line(format!("{label}   Δp: {:6.3}%", c(100.0 * self.dp_percentiles[i] as f64)));
         }
-        line(format!("Minimum Δp: {:6.3}%", 100.0 * self.dp_min as f64));
-        line(format!("RMS Δp    : {:6.3} ± {:5.3} %", 100.0 * self.rms_dp.0, 100.0 * self.rms_dp.1));
-        line(format!("Same top p: {:6.3} ± {:5.3} %", 100.0 * self.same_top.0, 100.0 * self.same_top.1));
+        line(format!("Minimum Δp: {:6.3}%", c(100.0 * self.dp_min as f64)));
+        line(format!("RMS Δp    : {:6.3} ± {:5.3} %", c(100.0 * self.rms_dp.0), c(100.0 * self.rms_dp.1)));
+        line(format!("Same top p: {:6.3} ± {:5.3} %", c(100.0 * self.same_top.0), c(100.0 * self.same_top.1)));
         o
     }
 }
@@ -529,5 +529,24 @@ mod tests {
         assert!(a.summary().is_none());
         a.add(&[0.0, 1.0], &r, 0);
         assert!(a.summary().is_some());
+    }
+}
+
+/// A float printed as C's printf prints it, as upstream's lines are: NaN as `nan` or `-nan`
+/// (by its sign bit), where Rust writes `NaN`; width and precision as given.
+struct C(f64);
+
+fn c(x: impl Into<f64>) -> C {
+    C(x.into())
+}
+
+impl std::fmt::Display for C {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_nan() {
+            let s = if self.0.is_sign_negative() { "-nan" } else { "nan" };
+            write!(f, "{s:>w$}", w = f.width().unwrap_or(0))
+        } else {
+            std::fmt::Display::fmt(&self.0, f)
+        }
     }
 }

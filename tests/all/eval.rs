@@ -170,6 +170,26 @@ fn eval_matches_llama_perplexity_kl_divergence_and_base_files_are_interchangeabl
     assert_matches_upstream(&v2["models"][0], &up);
 }
 
+/// A model against itself: zero divergences and uncertainties of 0/0 and √(−0), which C's
+/// printf writes `-nan` (Rust: `NaN`). The chunk lines and the statistics are upstream's text.
+#[test]
+fn eval_of_a_model_against_itself_prints_upstreams_text_nans_included() {
+    let d = temp_dir("eval-self");
+    let base = seeded("qwen3moe", 1);
+    let up_file = d.join("upstream.kld");
+    upstream_base(&base, &up_file, "2048");
+    let up = upstream_kld(&base, &up_file, "2048");
+    let (out, _) = eval(&d, &base, &[&base], &[]);
+    let chunk_lines = |t: &str| t.lines().skip_while(|l| !l.starts_with("chunk ")).take(5).map(str::to_string).collect::<Vec<_>>();
+    let ours = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(chunk_lines(&ours), chunk_lines(&up));
+    let stats = |t: &str| t.lines().skip_while(|l| !l.starts_with("====== Perplexity")).take_while(|l| !l.starts_with("Same top p")).map(str::to_string).collect::<Vec<_>>();
+    let ours_out = String::from_utf8_lossy(&out.stdout);
+    assert!(stats(&ours_out).len() > 20);
+    assert_eq!(stats(&ours_out), stats(&up));
+    assert!(chunk_lines(&up).iter().any(|l| l.contains("-nan")), "the case this test is for: upstream prints -nan\n{up}");
+}
+
 #[test]
 fn eval_matches_upstream_with_two_batches_per_chunk_on_qwen2moe() {
     // -b 64 < -c 128: each chunk is two decode calls (logits gathered across them); qwen2moe
