@@ -121,6 +121,9 @@ pub fn run(args: &ExportArgs) -> Result<i32> {
     if s.layers.is_empty() {
         return Err(usage(format!("--reap {name}: no MoE layers")));
     }
+    if let Some(why) = s.value_problem() {
+        return Err(usage(format!("--reap {name}: {why}")));
+    }
     if s.layers.iter().any(|l| l.reference.is_none()) {
         return Err(usage(format!(
             "--reap {name}: no reap_softmax_l2_sum / max_activation (written before reap-imatrix collected them); calibrate again to export"

@@ -245,6 +245,10 @@ impl Saliency {
     /// but a hand-edited or foreign file can hold -1 or 1e308·10). `check` reports these as
     /// failed invariants; tools that compute from the sums (select, prune) refuse the file.
     pub fn value_problem(&self) -> Option<String> {
+        let blocks: Vec<u32> = self.layers.iter().map(|l| l.layer).collect();
+        if blocks.windows(2).any(|w| w[0] >= w[1]) {
+            return Some(format!("layers {blocks:?} are not in block order, each once"));
+        }
         for l in &self.layers {
             for (name, a) in l.float_arrays() {
                 if let Some((e, x)) = a.iter().enumerate().find(|(_, x)| !(x.is_finite() && **x >= 0.0)) {

@@ -196,7 +196,12 @@ fn export_refuses_bad_input_with_exit_2_and_writes_nothing() {
     }
     std::fs::write(d.join("old.json"), serde_json::to_vec(&old).unwrap()).unwrap();
     std::fs::write(d.join("keep.json"), "precious").unwrap();
-    let cases: [(&[&str], &str); 5] = [
+    // a layer given twice: the reference's per-block object would merge the two silently
+    let mut doubled = json(&d.join("i.reap.json"));
+    doubled["layers"][1] = doubled["layers"][0].clone();
+    std::fs::write(d.join("doubled.json"), serde_json::to_vec(&doubled).unwrap()).unwrap();
+    let cases: [(&[&str], &str); 6] = [
+        (&["--reap", "doubled.json", "--format", "cerebras-reap", "-o", "keep.json"], "are not in block order, each once"),
         (&["--reap", "missing.json", "--format", "cerebras-reap", "-o", "keep.json"], "missing.json"),
         (&["--reap", "junk.json", "--format", "cerebras-reap", "-o", "keep.json"], "junk.json: not valid JSON"),
         (&["--reap", "i.reap.json", "--format", "cerebras", "-o", "keep.json"], "cerebras-reap"),

@@ -218,6 +218,20 @@ fn substitution_screen_counts_pruned_slots_and_lost_probability() {
         .arg("--out-dir")
         .arg(&out_dir));
     assert_eq!(out.status.code(), Some(2));
+    // the same layers and experts, but k = 3: another model's trace
+    let h3 = TraceHeader { layers: vec![2], n_expert: 8, k: 3, top_n: 3, n_tokens: 0, flags: FLAG_NORMALISED };
+    let other_k = d.join("other-k.trace");
+    TraceFile::create(&other_k, h3).unwrap();
+    let out = run(Command::new(ours())
+        .args(["select", "--reap"])
+        .arg(&sal)
+        .args(["--method", "frequency", "--k", "4", "--trace"])
+        .arg(&other_k)
+        .arg("--out-dir")
+        .arg(&out_dir));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("8 experts per layer, k = 3; the saliency file has 8 experts, k = 2"), "{err}");
 }
 
 /// A saliency file with two domains: "en" routes to experts 0–3, "ja" to experts 4–7 (8 experts,

@@ -188,12 +188,14 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
                     blocks
                 )));
             }
-            if let Some(l) = sal.layers.iter().find(|l| l.n_expert != t.header.n_expert as usize) {
+            if let Some(l) = sal.layers.iter().find(|l| l.n_expert != t.header.n_expert as usize || l.n_expert_used != t.header.k as usize) {
                 return Err(usage(format!(
-                    "--trace {}: {} experts per layer, the saliency file has {} in layer {}",
+                    "--trace {}: {} experts per layer, k = {}; the saliency file has {} experts, k = {} in layer {}",
                     p.display(),
                     t.header.n_expert,
+                    t.header.k,
                     l.n_expert,
+                    l.n_expert_used,
                     l.layer
                 )));
             }

@@ -187,8 +187,12 @@ pub fn scores(l: &LayerSums, method: Method, p: &Params) -> Vec<f64> {
         Method::EanSum => l.ean_sum.clone(),
         Method::ReapShrink => shrink_scores(l, p),
         Method::ReapHybrid => {
+            // dead experts rank last under both: the median prior gives a dead expert the prior
+            // itself, which would rank it above every live expert below the prior and move
+            // those experts' ranks by the number of dead ones
+            let shrink: Vec<f64> = shrink_scores(l, p).into_iter().zip(&l.count).map(|(s, &c)| if c == 0 { f64::NEG_INFINITY } else { s }).collect();
             let a = average_ranks(&l.reap_l2_sum);
-            let b = average_ranks(&shrink_scores(l, p));
+            let b = average_ranks(&shrink);
             a.iter().zip(&b).map(|(x, y)| -(x + y) / 2.0).collect()
         }
         Method::ReapSoftmaxMean => per_count(l, &softmax_sums(l)),
@@ -338,6 +342,35 @@ mod tests {
         // pooled sd: median of {√2, 0} = √2/2
         assert!((s[1] - (5.0 - 2.0 * sd0 / 2.0)).abs() < 1e-12);
         assert!((s[2] - 2.0).abs() < 1e-12);
+    }
+
+    /// Dead experts rank last under both of the hybrid's rankings, so the order of the live
+    /// experts does not depend on how many dead ones the layer has (under the median prior a
+    /// dead expert's shrunk score is the prior itself, above every live expert below it).
+    #[test]
+    fn hybrid_order_of_live_experts_ignores_dead_ones() {
+        let p = Params { prior: Prior::Median, shrink_m: None, min_count: 0 };
+        let mut flipped = 0;
+        for seed in 0..50u64 {
+            let mut rng = crate::fixture::rng::Rng::stream(seed, "hybrid");
+            let n_live = 12;
+            let live: Vec<(u64, f64)> = (0..n_live).map(|_| (1 + (rng.uniform() * 200.0) as u64, rng.uniform() * 10.0)).collect();
+            let layer = |n_dead: usize| {
+                let mut l = LayerSums::new(0, n_live + n_dead, 2);
+                for (i, &(c, mean)) in live.iter().enumerate() {
+                    l.count[i] = c;
+                    l.reap_l2_sum[i] = c as f64 * mean;
+                    l.reap_l2_sq_sum[i] = c as f64 * mean * mean;
+                }
+                l
+            };
+            let live_order = |l: &LayerSums| -> Vec<usize> {
+                order(l, &scores(l, Method::ReapHybrid, &p), 0).into_iter().filter(|&i| i < n_live).collect()
+            };
+            let (a, b) = (live_order(&layer(0)), live_order(&layer(6)));
+            flipped += (a != b) as usize;
+        }
+        assert_eq!(flipped, 0, "live orders that changed with 6 dead experts added, of 50 layers");
     }
 
     #[test]
