@@ -72,6 +72,10 @@ pub fn redirect_outputs(argv: &[String], dir: &Path) -> Vec<String> {
 
 pub fn run(args: &ReproduceArgs) -> Result<i32> {
     let m = Manifest::read(&args.manifest).map_err(|e| UsageError(format!("{e:#}")))?;
+    if m.outputs.is_empty() {
+        // nothing to compare: "reproduced" would be vacuous
+        bail!(UsageError(format!("{}: records no outputs, so there is nothing to reproduce", args.manifest.display())));
+    }
     if let Some(i) = &m.interrupted {
         bail!(UsageError(format!(
             "{}: the recorded run was stopped by {} at chunk {} ({} tokens evaluated): its outputs are partial, and a re-run would compute the whole run",

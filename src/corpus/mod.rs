@@ -316,6 +316,14 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
     })?;
 
     print_table(&srcs, &stats, total, args.tokens);
+    if total < args.tokens {
+        // a calibration of K chunks of C tokens needs K·C (llama-imatrix: at least 2·C)
+        eprintln!(
+            "note: the mix has {total} tokens, {} below --tokens {} (documents are planned by their own counts; tokens merge where they are joined, and calibration strips the final newline): for K chunks of C tokens ask for a little more than K × C",
+            args.tokens - total,
+            args.tokens
+        );
+    }
     eprintln!(
         "corpus: {} documents read, {} bytes of mix, {total} tokens; read {:.2} s, dedupe {:.2} s, count {:.2} s, mix {:.2} s",
         all.len(),

@@ -90,6 +90,9 @@ fn shares_are_true_token_counts_and_every_prefix_is_mixed() {
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.contains("prose") && table.contains("total"), "{table}");
     let r = report(&d, "mix");
+    // a mix short of its target says so
+    let short = r["tokens"].as_u64().unwrap() < 12000;
+    assert_eq!(short, String::from_utf8_lossy(&out.stderr).contains("below --tokens 12000"), "{r}");
     let text = read(&d.join("mix.txt"));
     let rows = domains(&d.join("mix.domains.tsv"));
     // the ranges tile the file

@@ -50,6 +50,14 @@ fn a_run_reproduces_byte_for_byte_and_changes_are_reported() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("output reap i.reap.json: DIFFERENT"));
 
+    // a manifest recording no outputs has nothing to reproduce
+    let mut none = m.clone();
+    none["outputs"] = serde_json::json!([]);
+    std::fs::write(d.join("none.manifest.json"), serde_json::to_vec(&none).unwrap()).unwrap();
+    let out = run(Command::new(ours()).args(["reproduce"]).arg(d.join("none.manifest.json")));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("records no outputs"));
+
     // an input that changed since: refused before running
     let mut text = read(&d.join("c.txt"));
     text.extend_from_slice(b"\nmore text\n");
