@@ -577,6 +577,17 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
     let (domain_names, mut token_domain) = match domains {
         Some(d) => {
             let offsets = vocab.token_offsets(text, &tokens).context("--domains: mapping tokens to byte offsets")?;
+            if let Some((i, stated, counted)) = d.first_count_mismatch(&offsets) {
+                let r = &d.ranges[i];
+                eprintln!(
+                    "warning: --domains {}:{}: range [{}, {}) ({}) says {stated} tokens, this text has {counted} there: a domains file of another mix, or a run without --parse-special (corpus counts special tokens parsed); tokens are attributed by byte range all the same",
+                    plan.args.domains.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                    i + 2,
+                    r.start,
+                    r.end,
+                    r.domain
+                );
+            }
             let mut names = d.names();
             let none = names.len() as u16;
             let ids: Vec<u16> = d.domain_of_offsets(&offsets).into_iter().map(|x| x.unwrap_or(none)).collect();

@@ -268,7 +268,7 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
     let tokens = vocab.tokenize(calib, true, true)?;
     let offsets = vocab.token_offsets(calib, &tokens)?;
     let mut domains = Domains { ranges };
-    let per_range = count_per_range(&domains, &offsets);
+    let per_range = domains.tokens_per_range(&offsets);
     for (r, n) in domains.ranges.iter_mut().zip(per_range) {
         r.tokens = Some(n);
     }
@@ -337,21 +337,6 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// Tokens per range, each token counted in the range that holds its first byte (a token before
-/// the first range, such as an added BOS at offset 0, counts in the first).
-pub fn count_per_range(d: &Domains, offsets: &[u64]) -> Vec<u64> {
-    let mut out = vec![0u64; d.ranges.len()];
-    let mut i = 0;
-    for &o in offsets {
-        while i + 1 < d.ranges.len() && d.ranges[i].end <= o {
-            i += 1;
-        }
-        if !d.ranges.is_empty() {
-            out[i] += 1;
-        }
-    }
-    out
-}
 
 /// Renders every document to text; a chat document needs the model's chat template.
 fn render_all(docs: Vec<sources::Doc>, template: Option<&str>, what: &str, model: &Path) -> Result<Vec<(usize, String)>> {

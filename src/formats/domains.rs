@@ -125,6 +125,31 @@ impl Domains {
         s
     }
 
+    /// Tokens per range (token start offsets, ascending), each counted in the last range that
+    /// starts at or before it (a token before the first range, such as an added BOS at offset
+    /// 0, counts in the first): the counts `corpus` writes, where the ranges tile the text.
+    pub fn tokens_per_range(&self, offsets: &[u64]) -> Vec<u64> {
+        let mut out = vec![0u64; self.ranges.len()];
+        let mut i = 0;
+        for &o in offsets {
+            while i + 1 < self.ranges.len() && self.ranges[i].end <= o {
+                i += 1;
+            }
+            if !self.ranges.is_empty() {
+                out[i] += 1;
+            }
+        }
+        out
+    }
+
+    /// The first range whose stated token count is not its count in `offsets`: (index,
+    /// stated, counted). A file written by `corpus` for this text, tokenised as calibration
+    /// tokenises it with `--parse-special`, has none.
+    pub fn first_count_mismatch(&self, offsets: &[u64]) -> Option<(usize, u64, u64)> {
+        let counted = self.tokens_per_range(offsets);
+        self.ranges.iter().zip(counted).enumerate().find_map(|(i, (r, n))| r.tokens.filter(|&t| t != n).map(|t| (i, t, n)))
+    }
+
     /// For each byte offset in `offsets` (ascending), the index into `names()` of the range
     /// holding it, or None for bytes outside every range.
     pub fn domain_of_offsets(&self, offsets: &[u64]) -> Vec<Option<u16>> {

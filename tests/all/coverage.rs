@@ -204,4 +204,20 @@ fn a_bad_domains_file_is_refused_before_anything_is_written() {
         assert!(e.contains(want), "{f}: {e}");
         assert!(!d.join("i.gguf").exists() && !d.join("i.reap.json").exists());
     }
+    // a file whose token counts are not this text's (another mix that happens to fit): run,
+    // with a warning naming the line; the bundled one for its own mix: no warning
+    let tsv = String::from_utf8(read(&mix_domains())).unwrap();
+    let mut lines: Vec<String> = tsv.lines().map(String::from).collect();
+    let mut f: Vec<String> = lines[2].split('\t').map(String::from).collect();
+    f[3] = (f[3].parse::<u64>().unwrap() + 1).to_string();
+    lines[2] = f.join("\t");
+    std::fs::write(d.join("stale.tsv"), lines.join("\n") + "\n").unwrap();
+    for (tsv, warns) in [(d.join("stale.tsv"), true), (mix_domains(), false)] {
+        let out = calibrate(&d, &fixture("qwen3moe"), &["-c", "128", "--chunks", "1", "--domains", tsv.to_str().unwrap()]);
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(e.contains("warning: --domains"), warns, "{}: {e}", tsv.display());
+        if warns {
+            assert!(e.contains("stale.tsv:3:") && e.contains("a domains file of another mix"), "{e}");
+        }
+    }
 }
