@@ -49,18 +49,8 @@ pub fn check_writable(target: &Path) -> std::result::Result<(), String> {
 
 /// Writes `target` through `write(tmp_path)` and renames the result into place.
 pub fn replace_with(target: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-    let tmp = temp_path(target);
-    let _on_signal = crate::interrupt::remove_on_signal(&tmp);
-    let result = write(&tmp).and_then(|()| {
-        std::fs::File::open(&tmp)
-            .and_then(|f| f.sync_all())
-            .with_context(|| format!("syncing {}", tmp.display()))?;
-        std::fs::rename(&tmp, target).with_context(|| format!("renaming {} to {}", tmp.display(), target.display()))
-    });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    let mut write = Some(write);
+    replace_together(&[target], |_, tmp| (write.take().expect("one target, written once"))(tmp))
 }
 
 /// Files that belong together (a pruned model and its imatrix; a mix and its domains and
