@@ -96,9 +96,25 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
     if args.batch_size == 0 || args.ubatch_size == 0 {
         bail!(UsageError("--batch-size and --ubatch-size must be at least 1".into()));
     }
+    if args.temp > 0.0 && args.seed == u32::MAX {
+        // LLAMA_DEFAULT_SEED: llama.cpp's sampler draws a random seed for it
+        bail!(UsageError(format!("--seed {}: llama.cpp takes this value as 'a random seed', so the run would not reproduce; give another", u32::MAX)));
+    }
     let prompts = prompts::read(&args.file)?;
     if let Some(p) = &args.trace_out {
+        for (flag, input) in [("-m", &args.model), ("-f", &args.file)] {
+            if crate::formats::atomic::same_file(p, input) {
+                bail!(UsageError(format!("--trace-out {} is the {flag} input: it would be overwritten", p.display())));
+            }
+        }
         crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("--trace-out {e}")))?;
+    }
+    let header = crate::formats::gguf_header::read_model("-m", &args.model)?;
+    if header.is_moe() && !args.no_trace && args.trace_top_n < header.n_expert_used as usize {
+        bail!(UsageError(format!(
+            "--trace-top-n {}: fewer than the {} experts each token uses (the candidates hold the selected ones)",
+            args.trace_top_n, header.n_expert_used
+        )));
     }
     let (model_params, flash_attn) = args.device.validate()?;
     let model = Model::load(&args.model, &model_params)?;
@@ -130,6 +146,7 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
         n_threads: threads,
         n_threads_batch: threads,
         flash_attn,
+        ..Default::default()
     };
     let reap = (!args.no_trace).then(|| ReapState::new(Some(TraceRows::new(args.trace_top_n, u64::MAX))));
     // the imatrix collector is required by the observer but switched off: routing only
@@ -185,9 +202,16 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
             if ctx.observer().reap.as_ref().and_then(|r| r.trace.as_ref()).is_some_and(|t| t.pending_rows >= 4096) {
                 out.flush(&mut ctx);
             }
+            // a failed trace write stops the run now, not after every prompt
+            if let Some(e) = out.writer.failure() {
+                return Err(anyhow::Error::from(e).context("writing the trace"));
+            }
         }
         timing.decode += t1.elapsed();
         out.flush(&mut ctx);
+        if let Some(e) = out.writer.failure() {
+            return Err(anyhow::Error::from(e).context("writing the trace"));
+        }
         let text: Vec<u8> = generated.iter().flat_map(|&t| vocab.piece(t)).collect();
         let line = json!({
             "sequence": s, "line": seq.line, "prompt_tokens": seq.tokens.len(), "generated": generated,

@@ -245,7 +245,42 @@ fn bad_inputs_are_refused_by_name() {
     std::fs::write(&bad, "{\"text\": \"fine\"}\n\n{\"messages\": [{\"role\": \"user\"}]}\n").unwrap();
     fails(&bad, &[], "p.jsonl:3: message 0 needs \"role\" and \"content\"");
     fails(&prompts_file(&dir), &["-c", "8", "-n", "16"], "need a context of");
+    // fewer router candidates than the 4 experts each token uses: a trace no reader accepts
+    fails(&prompts_file(&dir), &["--trace-top-n", "2"], "--trace-top-n 2: fewer than the 4 experts each token uses");
+    // llama.cpp's "random seed" value would not reproduce
+    fails(&prompts_file(&dir), &["--temp", "0.8", "--seed", "4294967295"], "would not reproduce");
     assert!(!dir.join("t.bin").exists(), "nothing is written for refused input");
+    // the trace onto an input: refused before the model is read, the input untouched
+    let copy = dir.join("m.gguf");
+    std::fs::copy(&model, &copy).unwrap();
+    let prompts = prompts_file(&dir);
+    for (trace, what) in [(&copy, "-m"), (&prompts, "-f")] {
+        let before = read(trace);
+        let out = run(Command::new(ours()).args(["trace-decode", "-m"]).arg(&copy).arg("-f").arg(&prompts).arg("--trace-out").arg(trace));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(&format!("is the {what} input: it would be overwritten")), "{err}");
+        assert_eq!(read(trace), before);
+    }
+}
+
+/// A trace that cannot be written stops the run at the next step, not after every prompt.
+#[test]
+fn a_failed_trace_write_stops_the_run() {
+    let model = fixture("qwen3moe");
+    let dir = temp_dir("decode-full");
+    let out = run(Command::new(ours()).args(["trace-decode", "-m"]).arg(&model).arg("-f").arg(repo().join("corpus/prompts.txt")).args(["-n", "8", "-t", "1", "--trace-out", "/dev/full"]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(2) && err.contains("cannot write in /dev") {
+        eprintln!("note: /dev is not writable here: the trace-failure test did not run");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("writing the trace") && err.contains("No space left on device"), "{err}");
+    let prompts = std::fs::read_to_string(repo().join("corpus/prompts.txt")).unwrap().split("\n---\n").count();
+    let done = generations(&out.stdout).len();
+    assert!(done < prompts, "{done} of {prompts} prompts generated after the trace had failed");
+    let _ = dir;
 }
 
 /// `-ngl 99 --rpc` (every layer off-host, the device-side expert statistics read): the decode
