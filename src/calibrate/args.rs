@@ -68,6 +68,40 @@ pub struct ImatrixArgs {
     #[arg(long = "main-gpu", value_name = "INDEX")]
     pub main_gpu: Option<i32>,
 
+    /// whether to enable weight repacking (default: enabled)
+    #[arg(long = "repack", overrides_with = "no_repack")]
+    pub repack: bool,
+
+    /// turn weight repacking off [-nr]
+    #[arg(long = "no-repack", overrides_with = "repack")]
+    pub no_repack: bool,
+
+    /// KV cache data type for K: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 [-ctk]
+    #[arg(long = "cache-type-k", value_name = "TYPE")]
+    pub cache_type_k: Option<String>,
+
+    /// KV cache data type for V (as -ctk) [-ctv]
+    #[arg(long = "cache-type-v", value_name = "TYPE")]
+    pub cache_type_v: Option<String>,
+
+    /// offload the KV cache and KQV ops to the GPU (default) [-kvo]
+    #[arg(long = "kv-offload", overrides_with = "no_kv_offload")]
+    pub kv_offload: bool,
+
+    /// keep the KV cache and KQV ops on the host [-nkvo]
+    #[arg(long = "no-kv-offload", overrides_with = "kv_offload")]
+    pub no_kv_offload: bool,
+
+    /// fit unset arguments to device memory: 'off' (what reap-imatrix does); 'on' is refused,
+    /// set -ngl yourself [-fit]
+    #[arg(long = "fit", value_name = "on|off")]
+    pub fit: Option<String>,
+
+    /// parallel sequences: accepted as upstream's llama-imatrix accepts it, with no effect there
+    /// either (the sequences per batch are -b / -c) [-np]
+    #[arg(long = "parallel", value_name = "N")]
+    pub parallel: Option<i32>,
+
     /// model loading mode: auto, none, mmap, mlock, mmap+mlock, dio [-lm]
     #[arg(long = "load-mode", value_name = "MODE", default_value = "auto")]
     pub load_mode: String,
@@ -89,7 +123,7 @@ pub struct ImatrixArgs {
     pub output_frequency: i32,
 
     /// save an imatrix copy (<out>.at_N) every N chunks
-    #[arg(long = "save-frequency", value_name = "N", default_value_t = 0)]
+    #[arg(long = "save-frequency", value_name = "N", default_value_t = 0, allow_negative_numbers = true)]
     pub save_frequency: i32,
 
     /// collect data for the output tensor

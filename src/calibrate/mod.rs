@@ -68,13 +68,10 @@ impl Plan {
             eprintln!("warning: saving imatrix using GGUF format with a different suffix than .gguf");
             eprintln!("warning: if you want the previous imatrix format, use --output-format dat");
         }
-        // as upstream at the pin: `--in-file` takes a comma-separated list; repeating the flag
-        // keeps only the last one
-        if args.in_file.len() > 1 {
-            eprintln!("warning: --in-file given {} times; only the last value is used (use a comma-separated list)", args.in_file.len());
-        }
+        // as upstream at the pin: `--in-file` takes a comma-separated list, and a repeated flag
+        // adds its files too (upstream's handler appends, whatever its warning says)
         let mut in_files = Vec::new();
-        if let Some(list) = args.in_file.last() {
+        for list in &args.in_file {
             for item in list.split(',').filter(|s| !s.is_empty()) {
                 let p = PathBuf::from(item);
                 std::fs::File::open(&p).map_err(|e| UsageError(format!("--in-file {item}: {e}")))?;
@@ -207,9 +204,10 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let p = model_path.clone();
         std::thread::spawn(move || metadata::cached_sha256_file(&p).ok())
     };
+    // every flag is read before the model loads: a typo costs a second, not the load
     let params = model_params(&plan.args)?;
-    let model = Model::load(&model_path, &params)?;
     let ctx_params = context_params(&plan)?;
+    let model = Model::load(&model_path, &params)?;
     let reap = plan.reap_out.as_ref().map(|_| {
         let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n_or_default(), plan.args.trace_tokens.unwrap_or(u64::MAX)));
         ReapState::new(trace)
@@ -501,8 +499,60 @@ fn is_normalised_node(name: &str) -> bool {
     name.starts_with("ffn_moe_weights_norm")
 }
 
+/// The model's parameters from the drop-in flags: `-ngl`, `-lm`, `--rpc` (shared with eval and
+/// trace-decode), and `-sm`, `-mg`, `-ts`, `-nr` as upstream's tools read them.
 pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
-    model_params_of(&args.n_gpu_layers, &args.load_mode, args.rpc.clone())
+    let mut p = model_params_of(&args.n_gpu_layers, &args.load_mode, args.rpc.clone())?;
+    if let Some(m) = &args.split_mode {
+        p.split_mode = match m.as_str() {
+            "none" => llama::sys::LLAMA_SPLIT_MODE_NONE,
+            "layer" => llama::sys::LLAMA_SPLIT_MODE_LAYER,
+            "row" => llama::sys::LLAMA_SPLIT_MODE_ROW,
+            "tensor" => llama::sys::LLAMA_SPLIT_MODE_TENSOR,
+            m => bail!(UsageError(format!("-sm {m}: expected none, layer, row or tensor"))),
+        };
+    }
+    if let Some(g) = args.main_gpu {
+        p.main_gpu = g;
+    }
+    if let Some(ts) = &args.tensor_split {
+        // as upstream: values separated by ',' or '/'
+        p.tensor_split = ts
+            .split([',', '/'])
+            .filter(|s| !s.is_empty())
+            .map(|s| s.trim().parse::<f32>().ok().filter(|x| x.is_finite() && *x >= 0.0))
+            .collect::<Option<Vec<f32>>>()
+            .ok_or_else(|| UsageError(format!("-ts {ts}: expected non-negative numbers separated by ',' or '/'")))?;
+        // SAFETY: a plain query.
+        let max = unsafe { llama::sys::llama_max_devices() };
+        if p.tensor_split.len() > max {
+            bail!(UsageError(format!("-ts {ts}: {} values, this build supports at most {max} devices", p.tensor_split.len())));
+        }
+    }
+    if args.no_repack {
+        p.use_extra_bufts = false;
+    }
+    match args.fit.as_deref() {
+        None | Some("off" | "false" | "0" | "disabled") => {}
+        Some("on" | "true" | "1" | "enabled") => bail!(UsageError(
+            "-fit on: reap-imatrix does not fit arguments to device memory; set -ngl (and -c) yourself, or -fit off".into()
+        )),
+        Some(v) => bail!(UsageError(format!("-fit {v}: expected on or off"))),
+    }
+    Ok(p)
+}
+
+/// `-ctk`/`-ctv`: the KV cache types upstream's tools accept (`kv_cache_types` in the pin's
+/// common/arg.cpp), by ggml's type names.
+fn kv_cache_type(flag: &str, name: &str) -> Result<llama::sys::ggml_type> {
+    use llama::sys::*;
+    let allowed = [GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1];
+    // SAFETY: ggml_type_name returns a static C string for every type.
+    let type_name = |t| unsafe { std::ffi::CStr::from_ptr(ggml_type_name(t)) }.to_string_lossy().into_owned();
+    allowed.into_iter().find(|&t| type_name(t) == name).ok_or_else(|| {
+        let names: Vec<String> = allowed.into_iter().map(type_name).collect();
+        anyhow::anyhow!(UsageError(format!("{flag} {name}: unsupported cache type (one of {})", names.join(", "))))
+    })
 }
 
 /// `-ngl`, `-lm` and `--rpc` as upstream's tools read them (shared with `eval`).
@@ -521,7 +571,7 @@ pub fn model_params_of(n_gpu_layers: &str, load_mode: &str, rpc: Option<String>)
         "dio" => llama::sys::LLAMA_LOAD_MODE_DIRECT_IO,
         m => bail!(UsageError(format!("-lm: unknown load mode '{m}'"))),
     };
-    Ok(ModelParams { n_gpu_layers, load_mode, rpc_servers: rpc, vocab_only: false })
+    Ok(ModelParams { n_gpu_layers, load_mode, rpc_servers: rpc, ..Default::default() })
 }
 
 /// `-t`/`-tb` as upstream reads them: ≤ 0 means every core.
@@ -549,6 +599,7 @@ pub fn flash_attn_type(v: &str) -> Result<i32> {
 fn context_params(plan: &Plan) -> Result<ContextParams> {
     let (threads, threads_batch) = thread_counts(plan.args.threads, plan.args.threads_batch);
     let flash_attn = flash_attn_type(&plan.args.flash_attn)?;
+    let kv_type = |flag: &str, t: &Option<String>| t.as_deref().map(|t| kv_cache_type(flag, t)).transpose();
     Ok(ContextParams {
         n_ctx: plan.n_kv as u32,
         n_batch: plan.n_batch as u32,
@@ -557,6 +608,9 @@ fn context_params(plan: &Plan) -> Result<ContextParams> {
         n_threads: threads,
         n_threads_batch: threads_batch,
         flash_attn,
+        type_k: kv_type("-ctk", &plan.args.cache_type_k)?,
+        type_v: kv_type("-ctv", &plan.args.cache_type_v)?,
+        offload_kqv: !plan.args.no_kv_offload,
     })
 }
 

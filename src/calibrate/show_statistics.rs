@@ -26,7 +26,8 @@ pub fn show(args: &ImatrixArgs) -> Result<()> {
     }
     compute_cossim(&mut ts);
     sort_rows(&mut ts);
-    print!("{}", render(path, &ts));
+    // to stderr, where upstream's logger prints the tables
+    eprint!("{}", render(path, &ts));
     Ok(())
 }
 

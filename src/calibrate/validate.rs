@@ -70,6 +70,13 @@ pub fn flags(a: &super::args::ImatrixArgs) -> Result<()> {
 /// The flags that depend on the model: `--trace-top-n` at most n_expert.
 pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader) -> Result<()> {
     if let Some(n) = a.trace_top_n {
+        if h.is_moe() && n < h.n_expert_used as usize {
+            bail!(UsageError(format!(
+                "--trace-top-n {n}: fewer than the {} experts each token uses in {} (the candidates hold the selected ones)",
+                h.n_expert_used,
+                model.display()
+            )));
+        }
         if h.is_moe() && n > h.n_expert as usize {
             bail!(UsageError(format!(
                 "--trace-top-n {n}: more than the {} experts per layer of {} (at most {})",

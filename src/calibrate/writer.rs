@@ -174,6 +174,9 @@ impl Drop for Writer {
 fn run_job(job: Job, trace: &mut Option<TraceFile>, rows: &mut Vec<u8>, back: &Sender<Vec<LayerRouting>>, pool: Option<&crate::collect::pool::Pool>, encoding: &AtomicU64) -> Result<()> {
     match job {
         Job::Imatrix { path, state, format, prompt_file, chunk_size, progress_at } => {
+            for line in imatrix_file::partial_data_warnings(&state, format == ImatrixFormat::Dat) {
+                crate::progress::eprintln(&line);
+            }
             match format {
                 ImatrixFormat::Gguf => imatrix_file::write_gguf(&path, &state, &prompt_file, chunk_size),
                 ImatrixFormat::Dat => imatrix_file::write_dat(&path, &state, &prompt_file, chunk_size),

@@ -16,7 +16,6 @@ pub const SINGLE_DASH_LONG: &[(&str, &str)] = &[
     ("-lm", "--load-mode"),
     ("-ofreq", "--output-frequency"),
     ("-lv", "--verbosity"),
-    ("-dev", "--device"),
     ("-np", "--parallel"),
     ("-fit", "--fit"),
     ("-nr", "--no-repack"),
@@ -35,7 +34,30 @@ pub const UNSUPPORTED: &[&str] = &[
     "--rope-scale", "--rope-freq-base", "--rope-freq-scale", "--yarn-orig-ctx", "--yarn-ext-factor",
     "--yarn-attn-factor", "--yarn-beta-slow", "--yarn-beta-fast", "-hf", "-hfr", "--hf-repo",
     "-mu", "--model-url", "--numa", "-C", "--cpu-mask", "-Cr", "--cpu-range",
+    "-dev", "--device", "-fitt", "--fit-target", "-fitc", "--fit-ctx",
 ];
+
+/// Flags given more than once, as typed (upstream warns about each: "specified multiple
+/// times … only last value will be used"; `--in-file` it appends all the same).
+pub fn repeated(given: &[String]) -> Vec<String> {
+    let mut seen: Vec<&str> = Vec::new();
+    let mut twice = Vec::new();
+    for a in given {
+        let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+        // a flag, not a negative number given as a value (`--seed -1`)
+        if !flag.starts_with('-') || flag.len() < 2 || flag[1..].starts_with(|c: char| c.is_ascii_digit() || c == '.') {
+            continue;
+        }
+        if seen.contains(&flag) {
+            if !twice.iter().any(|t: &String| t == flag) {
+                twice.push(flag.to_string());
+            }
+        } else {
+            seen.push(flag);
+        }
+    }
+    twice
+}
 
 /// Rewrites argv (program name first) so clap can parse it. Returns the name of the first
 /// upstream flag we do not implement, if any.
@@ -86,6 +108,12 @@ mod tests {
     fn norm(args: &[&str]) -> Vec<String> {
         let v = std::iter::once("prog").chain(args.iter().copied()).map(OsString::from).collect();
         normalize(v).0.into_iter().skip(1).map(|s| s.into_string().unwrap()).collect()
+    }
+
+    #[test]
+    fn repeated_flags_are_named_once_as_typed() {
+        let given: Vec<String> = ["-c", "64", "--seed", "-1", "-c=128", "--ctx-size", "9", "-v", "-v", "-v", "--seed", "-1"].map(String::from).to_vec();
+        assert_eq!(repeated(&given), ["-c", "-v", "--seed"]);
     }
 
     #[test]

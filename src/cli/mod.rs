@@ -119,8 +119,13 @@ fn drop_in(argv: Vec<OsString>) -> Result<i32> {
     if let Some(flag) = unsupported {
         anyhow::bail!(UsageError(format!("{flag}: accepted by llama-imatrix but not supported by reap-imatrix")));
     }
+    // upstream keeps the last value of a repeated flag (and all files of a repeated --in-file)
+    for flag in argv::repeated(&given) {
+        let what = if flag == "--in-file" { "its files are all merged" } else { "only the last value is used" };
+        eprintln!("warning: argument '{flag}' specified multiple times, use comma-separated values instead ({what})");
+    }
     use clap::{CommandFactory, FromArgMatches};
-    let parsed = match DropIn::command().after_help(drop_in_after_help()).try_get_matches_from(&argv).and_then(|m| DropIn::from_arg_matches(&m)) {
+    let parsed = match DropIn::command().args_override_self(true).after_help(drop_in_after_help()).try_get_matches_from(&argv).and_then(|m| DropIn::from_arg_matches(&m)) {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { EXIT_USAGE } else { 0 };

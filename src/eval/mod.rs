@@ -245,6 +245,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
             n_threads: threads,
             n_threads_batch: threads_batch,
             flash_attn,
+            ..Default::default()
         },
     };
     let header = Header { n_ctx: n_ctx as u32, n_vocab, n_chunk: n_chunk as i32, tokens: tokens[..n_chunk * n_ctx].to_vec() };

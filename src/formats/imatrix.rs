@@ -52,6 +52,28 @@ fn cstr(s: &str) -> Result<CString> {
     CString::new(s).with_context(|| format!("{s:?} contains a NUL byte"))
 }
 
+/// The warnings upstream's writers print about entries some experts never reached
+/// (`save_imatrix`: "has partial data (87.50%)"; the legacy writer also "has no data -
+/// skipping"): for MoE calibration the sign that experts went unexercised.
+pub fn partial_data_warnings(m: &Imatrix, legacy: bool) -> Vec<String> {
+    let func = if legacy { "save_imatrix_legacy" } else { "save_imatrix" };
+    let mut out = Vec::new();
+    for (name, s) in &m.stats {
+        let n_all = s.counts.len();
+        let n_zeros = s.counts.iter().filter(|&&c| c == 0).count();
+        if legacy && n_all == 0 {
+            continue;
+        }
+        if legacy && n_zeros == n_all {
+            out.push(format!("{func}: entry '{name:>40}' has no data - skipping"));
+        } else if n_zeros > 0 {
+            let share = 100.0f32 * (n_all - n_zeros) as f32 / n_all as f32;
+            out.push(format!("{func}: entry '{name:>40}' has partial data ({share:.2}%)"));
+        }
+    }
+    out
+}
+
 /// Writes the GGUF imatrix (upstream's `save_imatrix`), atomically.
 /// `prompt_file` is the `-f` path as given (empty in combine-only mode).
 pub fn write_gguf(path: &Path, m: &Imatrix, prompt_file: &str, chunk_size: i32) -> Result<()> {

@@ -18,6 +18,17 @@ pub struct ContextParams {
     pub n_threads_batch: i32,
     /// -1 auto, 0 off, 1 on (`llama_flash_attn_type`)
     pub flash_attn: i32,
+    /// KV cache types (-ctk, -ctv); None: llama.cpp's default (f16)
+    pub type_k: Option<sys::ggml_type>,
+    pub type_v: Option<sys::ggml_type>,
+    /// offload the KQV ops and the KV cache to the GPU (-kvo / -nkvo; default on)
+    pub offload_kqv: bool,
+}
+
+impl Default for ContextParams {
+    fn default() -> Self {
+        ContextParams { n_ctx: 0, n_batch: 0, n_ubatch: 0, n_seq_max: 1, n_threads: 1, n_threads_batch: 1, flash_attn: -1, type_k: None, type_v: None, offload_kqv: true }
+    }
 }
 
 pub struct Context<'m, O: GraphObserver> {
@@ -38,6 +49,13 @@ impl<'m, O: GraphObserver> Context<'m, O> {
         cp.n_threads = p.n_threads;
         cp.n_threads_batch = p.n_threads_batch;
         cp.flash_attn_type = p.flash_attn;
+        if let Some(t) = p.type_k {
+            cp.type_k = t;
+        }
+        if let Some(t) = p.type_v {
+            cp.type_v = t;
+        }
+        cp.offload_kqv = p.offload_kqv;
         cp.cb_eval = Some(trampoline::<O>);
         cp.cb_eval_user_data = state as *mut c_void;
         log::take_recent_errors();

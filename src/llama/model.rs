@@ -16,11 +16,30 @@ pub struct ModelParams {
     pub rpc_servers: Option<String>,
     /// load the vocabulary and metadata only, no tensors (`corpus` needs only the tokenizer)
     pub vocab_only: bool,
+    /// `llama_split_mode` (-sm)
+    pub split_mode: sys::llama_split_mode,
+    /// -mg
+    pub main_gpu: i32,
+    /// -ts: proportions per device (empty: llama.cpp's default)
+    pub tensor_split: Vec<f32>,
+    /// weight repacking into extra buffer types (--repack / -nr)
+    pub use_extra_bufts: bool,
 }
 
 impl Default for ModelParams {
     fn default() -> Self {
-        ModelParams { n_gpu_layers: -1, load_mode: sys::LLAMA_LOAD_MODE_AUTO, rpc_servers: None, vocab_only: false }
+        // SAFETY: default params are plain data.
+        let d = unsafe { sys::llama_model_default_params() };
+        ModelParams {
+            n_gpu_layers: -1,
+            load_mode: sys::LLAMA_LOAD_MODE_AUTO,
+            rpc_servers: None,
+            vocab_only: false,
+            split_mode: d.split_mode,
+            main_gpu: d.main_gpu,
+            tensor_split: Vec::new(),
+            use_extra_bufts: d.use_extra_bufts,
+        }
     }
 }
 
@@ -54,6 +73,19 @@ impl Model {
         mp.n_gpu_layers = params.n_gpu_layers;
         mp.load_mode = params.load_mode;
         mp.vocab_only = params.vocab_only;
+        mp.split_mode = params.split_mode;
+        mp.main_gpu = params.main_gpu;
+        mp.use_extra_bufts = params.use_extra_bufts;
+        // llama.cpp reads llama_max_devices() floats; the array lives until the load returns
+        // SAFETY: a plain query.
+        let mut split = vec![0f32; unsafe { sys::llama_max_devices() }];
+        if !params.tensor_split.is_empty() {
+            if params.tensor_split.len() > split.len() {
+                bail!("-ts: {} values, this build of llama.cpp supports at most {} devices", params.tensor_split.len(), split.len());
+            }
+            split[..params.tensor_split.len()].copy_from_slice(&params.tensor_split);
+            mp.tensor_split = split.as_ptr();
+        }
         log::take_recent_errors();
         // SAFETY: valid C string and params; null is checked.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };

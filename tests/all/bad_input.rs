@@ -131,6 +131,19 @@ fn flags_refused_before_loading() {
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "--chunks", "0"]), &["--chunks 0"]);
     // the fixture has 32 experts
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "--trace-out", "t.bin", "--trace-top-n", "33"]), &["--trace-top-n 33", "32 experts"]);
+    // fewer candidates than the 4 experts a token uses: a trace no reader would accept
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "--trace-out", "t.bin", "--trace-top-n", "2"]), &["--trace-top-n 2: fewer than the 4 experts"]);
+    // upstream's placement and cache flags are read, not dropped: bad values are named
+    for (flag, value, says) in [
+        ("-sm", "bogus", "expected none, layer, row or tensor"),
+        ("-ts", "1,x", "expected non-negative numbers"),
+        ("-ctk", "q9", "unsupported cache type"),
+        ("-ctv", "q9", "unsupported cache type"),
+        ("-fit", "on", "does not fit arguments to device memory"),
+        ("-dev", "CPU", "not supported by reap-imatrix"),
+    ] {
+        refused_early(&calibrate_in(&d, &m, &["-f", &c, flag, value]), &[flag, says]);
+    }
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "-o", "a.gguf", "--reap-out", "./a.gguf"]), &["name the same file"]);
     let copy = d.join("model-copy.gguf");
     std::fs::copy(&m, &copy).unwrap();

@@ -50,6 +50,21 @@ impl Pair {
         assert_eq!(a, b, "perplexity lines differ");
     }
 
+    /// upstream's save_imatrix warnings about entries some experts never reached (its log
+    /// prefix, a timestamp and level, stripped; sorted, as upstream prints them in the order
+    /// of an unordered_map)
+    fn assert_same_partial_data_warnings(&self) {
+        let lines = |o: &Output| -> Vec<String> {
+            let mut v: Vec<String> =
+                String::from_utf8_lossy(&o.stderr).lines().filter_map(|l| l.find("save_imatrix").map(|i| l[i..].to_string())).filter(|l| l.contains("data")).collect();
+            v.sort();
+            v
+        };
+        let (a, b) = (lines(&self.ours), lines(&self.upstream));
+        assert!(!b.is_empty(), "upstream warned of no partial data (the fixture has dead experts)");
+        assert_eq!(a, b);
+    }
+
     /// Every file upstream wrote, we wrote too (ours adds only the REAP outputs).
     fn assert_same_file_set(&self) -> Vec<String> {
         let names = |d: &Path| {
@@ -76,6 +91,7 @@ fn qwen3moe_c512_b512_is_byte_identical() {
     let p = run_both("q3-c512", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "512", "-b", "512", "--parse-special"]));
     p.assert_same_file("imatrix.gguf");
     p.assert_same_ppl();
+    p.assert_same_partial_data_warnings();
 }
 
 #[test]
@@ -153,6 +169,7 @@ fn skipping_the_first_chunk() {
 fn dat_output_format() {
     let p = run_both("q3-dat", &fixture("qwen3moe"), "imatrix.dat", &args(&["-c", "256", "-b", "256", "--output-format", "dat"]));
     p.assert_same_file("imatrix.dat");
+    p.assert_same_partial_data_warnings();
 }
 
 #[test]
@@ -168,6 +185,10 @@ fn save_frequency_writes_the_same_at_n_files() {
     for f in &files {
         p.assert_same_file(f);
     }
+    // a negative frequency is off, as upstream takes it
+    let p = run_both("q3-savefreq-off", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "256", "--save-frequency", "-1", "--no-ppl"]));
+    assert_eq!(p.assert_same_file_set(), ["imatrix.gguf"]);
+    p.assert_same_file("imatrix.gguf");
 }
 
 #[test]
@@ -198,6 +219,38 @@ fn merging_two_in_files_and_combine_only() {
     // merging into a fresh run
     let m2 = run_both("merge-run", &model, "m.gguf", &args(&["-c", "256", "-b", "256", "--no-ppl", "--in-file", &list]));
     m2.assert_same_file("m.gguf");
+    // the flag repeated: upstream merges every file (its handler appends, whatever its
+    // "only last value" warning says)
+    let (fa, fb) = (a.ref_dir.join("a.gguf"), b.ref_dir.join("b.gguf"));
+    let m3 = run_both("merge-repeated", &model, "m.gguf", &args(&["-c", "256", "-b", "256", "--no-ppl", "--in-file", fa.to_str().unwrap(), "--in-file", fb.to_str().unwrap()]));
+    m3.assert_same_file("m.gguf");
+    assert_same_bytes(&m3.ours_dir.join("m.gguf"), &m2.ours_dir.join("m.gguf"));
+    assert!(String::from_utf8_lossy(&m3.ours.stderr).contains("'--in-file' specified multiple times"));
+}
+
+/// Upstream flags that change where or how the graph runs: repeated flags (the last wins), the
+/// KV cache types, weight repacking, KV offload, -np (no effect in llama-imatrix either):
+/// the same files as upstream's tool given the same flags.
+#[test]
+fn cache_types_repacking_offload_and_repeated_flags_as_upstream() {
+    let model = fixture("qwen3moe");
+    for (i, extra) in [
+        &["-ctk", "f32", "-ctv", "f32"][..],
+        &["-ctk", "bf16", "-fa", "on", "-ctv", "bf16"],
+        &["-nr", "-nkvo", "-np", "3", "-fit", "off"],
+        &["-c", "64", "-c", "128", "-t", "1", "-t", "2", "--no-ppl", "--no-ppl"],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut a = args(&["-c", "128", "--chunks", "2"]);
+        a.extend_from_slice(extra);
+        let p = run_both(&format!("upstream-flags-{i}"), &model, "i.gguf", &a);
+        p.assert_same_file("i.gguf");
+        if !extra.contains(&"--no-ppl") {
+            p.assert_same_ppl();
+        }
+    }
 }
 
 #[test]
@@ -313,7 +366,7 @@ fn show_statistics_prints_upstreams_tables() {
     let upstream: Vec<String> = from_table(&up.stderr).into_iter().map(strip).collect();
     let o = run_ok(Command::new(ours()).arg("-m").arg(&model).arg("--in-file").arg(&file).arg("--show-statistics"));
     assert!(upstream.len() > 10, "upstream printed no table: {}", String::from_utf8_lossy(&up.stderr));
-    let ours_lines = from_table(&o.stdout);
+    let ours_lines = from_table(&o.stderr);
     let (ours_t, up_t) = (stats_table(&ours_lines), stats_table(&upstream));
     // everything outside the per-tensor rows (headers, the per-layer table) line for line
     assert_eq!(ours_t.other, up_t.other);

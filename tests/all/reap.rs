@@ -259,7 +259,7 @@ fn independent_computation(arch: &str, normalised: bool) {
     text.pop();
     let tokens = model.vocab().tokenize(&text, true, false).unwrap();
     let obs = CaptureFfnInput { router: format!("blk.{block}.ffn_gate_inp.weight"), x: Vec::new(), n_embd: 0 };
-    let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_ctx as u32, n_ubatch: 512, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1 };
+    let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_ctx as u32, n_ubatch: 512, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1, ..Default::default() };
     let mut ctx = Context::new(&model, &p, obs).unwrap();
     let mut batch = ctx.batch();
     for (i, &t) in tokens[..n_ctx].iter().enumerate() {

@@ -23,7 +23,7 @@ impl GraphObserver for PanicAfter {
 }
 
 fn params() -> ContextParams {
-    ContextParams { n_ctx: 64, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1 }
+    ContextParams { n_ctx: 64, n_batch: 64, n_ubatch: 64, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1, ..Default::default() }
 }
 
 #[test]
