@@ -55,6 +55,8 @@ pub struct Diff {
     /// weights in both whose sums or counts have other lengths
     pub shapes_differ: Vec<String>,
     pub weights_compared: usize,
+    /// false where one file is a legacy `.dat`, which keeps one call count per weight
+    pub counts_compared: bool,
     pub matrices: u64,
     /// matrices whose counts differ, and the largest difference of a count with where it is
     pub counts_differ: u64,
@@ -94,15 +96,22 @@ pub fn relative(a: f64, b: f64) -> f64 {
 
 /// Compares two loaded files, value by value, as means Σx²/count.
 pub fn compare(a: &Loaded, b: &Loaded) -> Diff {
+    // a legacy .dat keeps its sums pre-scaled and one call count for all of a weight's
+    // matrices (as llama-quantize reads it, mean = stored / ncall): beside a GGUF it takes the
+    // GGUF's matrix layout, and the counts are not compared
+    let mixed = a.is_legacy != b.is_legacy;
     let mut d = Diff {
         only_a: a.entries.keys().filter(|k| !b.entries.contains_key(*k)).cloned().collect(),
         only_b: b.entries.keys().filter(|k| !a.entries.contains_key(*k)).cloned().collect(),
+        counts_compared: !mixed,
         ..Default::default()
     };
+    let count = |e: &crate::formats::imatrix::Entry, legacy: bool, m: usize| if mixed && legacy { e.counts[0] } else { e.counts[m] };
     for (name, ea) in &a.entries {
         let Some(eb) = b.entries.get(name) else { continue };
-        let n_mat = ea.counts.len();
-        if eb.sums.len() != ea.sums.len() || eb.counts.len() != n_mat || n_mat == 0 || ea.sums.len() % n_mat != 0 {
+        let n_mat = if mixed && a.is_legacy { eb.counts.len() } else { ea.counts.len() };
+        let counts_fit = if mixed { ea.counts.len().min(eb.counts.len()) == 1 } else { eb.counts.len() == n_mat };
+        if eb.sums.len() != ea.sums.len() || !counts_fit || n_mat == 0 || ea.sums.len() % n_mat != 0 {
             d.shapes_differ.push(name.clone());
             continue;
         }
@@ -110,8 +119,13 @@ pub fn compare(a: &Loaded, b: &Loaded) -> Diff {
         let cols = ea.sums.len() / n_mat;
         for m in 0..n_mat {
             d.matrices += 1;
-            let (ca, cb) = (ea.counts[m], eb.counts[m]);
-            if ca != cb {
+            let (ca, cb) = (count(ea, a.is_legacy, m), count(eb, b.is_legacy, m));
+            if mixed {
+                // a GGUF matrix never counted holds no means; the .dat stored 1s there
+                if ca <= 0 || cb <= 0 {
+                    continue;
+                }
+            } else if ca != cb {
                 d.counts_differ += 1;
                 let diff = (ca - cb).abs();
                 if d.largest_count_diff.as_ref().map_or(true, |l| diff > (l.2 - l.3).abs()) {
@@ -157,6 +171,9 @@ pub fn render(d: &Diff, a: &Loaded, b: &Loaded) -> String {
     }
     s += &format!("\nchunks: {} and {}\n", a.chunk_count, b.chunk_count);
     match &d.largest_count_diff {
+        _ if !d.counts_compared => {
+            s += &format!("counts: not compared ({} matrices): a legacy .dat keeps one call count per weight\n", d.matrices)
+        }
         None => s += &format!("counts: identical ({} matrices)\n", d.matrices),
         Some((t, m, ca, cb)) => {
             s += &format!("counts: differ in {} of {} matrices (largest difference {}: {t} matrix {m}, {ca} vs {cb})", d.counts_differ, d.matrices, (ca - cb).abs());
@@ -201,6 +218,7 @@ fn to_json(d: &Diff, args: &ImatrixDiffArgs) -> serde_json::Value {
         "shapes_differ": d.shapes_differ,
         "weights_compared": d.weights_compared,
         "matrices": d.matrices,
+        "counts_compared": d.counts_compared,
         "counts_differ": d.counts_differ,
         "counted_in_one": d.counted_in_one,
         "values": d.values,
@@ -283,6 +301,25 @@ mod tests {
         let c = loaded(&[("blk.0.ffn_up_exps.weight", vec![1.0, 2.0, 4.0, 0.0, 0.0, 0.0], vec![1, 0]), ("blk.0.attn_q.weight", vec![8.0, 8.0], vec![4])]);
         let d = compare(&c, &b);
         assert_eq!((d.counted_in_one, d.values), (1, 5));
+    }
+
+    /// A legacy .dat beside a GGUF of the same sums: its one call count scales every matrix
+    /// (stored = mean · ncall); a matrix the GGUF never counted is skipped.
+    #[test]
+    fn a_legacy_dat_compares_with_a_gguf_by_its_means() {
+        let gguf = loaded(&[("e.weight", vec![2.0, 4.0, 0.0, 0.0, 9.0, 3.0], vec![2, 0, 3])]);
+        // the .dat of the same run, ncall 5: (sum / count) · 5, and 1 · 5 for the empty matrix
+        let mut dat = loaded(&[("e.weight", vec![5.0, 10.0, 5.0, 5.0, 15.0, 5.0 * 1.001], vec![5])]);
+        dat.is_legacy = true;
+        for (x, y) in [(&gguf, &dat), (&dat, &gguf)] {
+            let d = compare(x, y);
+            assert!(d.comparable() && !d.counts_compared, "{d:?}");
+            assert_eq!((d.weights_compared, d.matrices, d.values), (1, 3, 4));
+            let w = d.worst.clone().unwrap();
+            assert_eq!((w.matrix, w.column), (2, 1));
+            assert!((w.rel - 0.001 / 1.001).abs() < 1e-6, "{}", w.rel);
+            assert!(render(&d, x, y).contains("counts: not compared (3 matrices): a legacy .dat"));
+        }
     }
 
     #[test]

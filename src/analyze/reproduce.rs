@@ -40,6 +40,15 @@ pub fn redirect_outputs(argv: &[String], dir: &Path) -> Vec<String> {
     let mut saw_manifest = false;
     while i < argv.len() {
         let a = &argv[i];
+        // `-oPATH`, the short flag with its value attached (clap takes it), but not a
+        // single-dash long flag such as `-ofreq`
+        let name = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+        if a.len() > 2 && a.starts_with("-o") && !a.starts_with("-o=") && !crate::cli::argv::SINGLE_DASH_LONG.iter().any(|(s, _)| *s == name) {
+            saw_output = true;
+            out.push(format!("-o{}", to_dir(&a[2..])));
+            i += 1;
+            continue;
+        }
         let flag = OUTPUT_FLAGS.iter().find(|(f, _)| a == f || a.starts_with(&format!("{f}=")));
         match flag {
             Some((f, role)) => {
@@ -127,9 +136,12 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
         return Ok(crate::error::EXIT_FAILURE);
     }
     let dir = match &args.work_dir {
-        Some(d) => d.clone(),
+        // the re-run runs in the recorded folder: a relative --work-dir means this one's
+        Some(d) => std::path::absolute(d).with_context(|| format!("--work-dir {}", d.display()))?,
         None => std::env::temp_dir().join(format!("reap-reproduce-{}", std::process::id())),
     };
+    // a folder that exists already may hold other files: then only what the re-run wrote goes
+    let created = !dir.exists();
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let argv = redirect_outputs(&m.argv, &dir);
     let exe = std::env::current_exe().context("locating this program")?;
@@ -159,8 +171,17 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
     }
     if args.keep || !all_same {
         println!("  re-run outputs kept in {}", dir.display());
-    } else {
+    } else if created {
         let _ = std::fs::remove_dir_all(&dir);
+    } else {
+        let manifest = argv.iter().enumerate().find_map(|(i, a)| match a.strip_prefix("--manifest-out") {
+            Some("") => argv.get(i + 1).map(PathBuf::from),
+            Some(v) => v.strip_prefix('=').map(PathBuf::from),
+            None => None,
+        });
+        for p in m.outputs.iter().map(|f| dir.join(f.path.file_name().unwrap_or_default())).chain(manifest) {
+            let _ = std::fs::remove_file(p);
+        }
     }
     println!("{}", if all_same { "reproduced: every output is byte-identical" } else { "NOT reproduced" });
     Ok(if all_same { 0 } else { crate::error::EXIT_FAILURE })
@@ -188,5 +209,8 @@ mod tests {
         // no -o given: upstream's default name, in the scratch folder
         let got = redirect_outputs(&["-m".into(), "m.gguf".into()], Path::new("/w"));
         assert_eq!(got, ["-m", "m.gguf", "-o", "/w/imatrix.gguf", "--manifest-out", "/w/reproduced.manifest.json"]);
+        // the value attached to -o; -ofreq is another flag
+        let argv: Vec<String> = ["-oout/i.gguf", "-ofreq", "5", "-o=j.gguf"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(redirect_outputs(&argv, Path::new("/w")), ["-o/w/i.gguf", "-ofreq", "5", "-o=/w/j.gguf", "--manifest-out", "/w/reproduced.manifest.json"]);
     }
 }

@@ -181,11 +181,37 @@ pub fn write_dat(path: &Path, m: &Imatrix, prompt_file: &str, chunk_size: i32) -
 
 /// Reads an imatrix file, GGUF or legacy, as upstream's `common_imatrix_load` does.
 pub fn load(path: &Path) -> Result<Loaded> {
-    let bytes_head = std::fs::read(path).with_context(|| format!("imatrix file {}", path.display()))?;
-    if bytes_head.starts_with(b"GGUF") {
+    let mut magic = [0u8; 4];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut magic))
+        .with_context(|| format!("imatrix file {}", path.display()))?;
+    if n == 4 && &magic == b"GGUF" {
+        // the header's sizes against the file first (a damaged one must not size an allocation)
+        super::gguf_header::check_complete(path).map_err(|e| anyhow::anyhow!("imatrix file {}: not a readable GGUF file ({e})", path.display()))?;
+        if !has_imatrix_entries(path) {
+            // before ggml reads the data: a model given here would be loaded whole
+            bail!("imatrix file {}: a GGUF file without any NAME.in_sum2 entry: not an imatrix (a model?)", path.display());
+        }
         load_gguf(path)
     } else {
-        load_legacy(path, &bytes_head)
+        let bytes = std::fs::read(path).with_context(|| format!("imatrix file {}", path.display()))?;
+        load_legacy(path, &bytes)
+    }
+}
+
+/// Whether a GGUF's header names an imatrix entry (`*.in_sum2`); the header only, no data.
+/// An unreadable header answers yes, so that load_gguf names what is wrong with it.
+fn has_imatrix_entries(path: &Path) -> bool {
+    let Ok(fname) = cstr(&path.to_string_lossy()) else { return true };
+    // SAFETY: no_alloc reads the header and tensor infos only; freed before returning.
+    unsafe {
+        let g = sys::gguf_init_from_file(fname.as_ptr(), sys::gguf_init_params { no_alloc: true, ctx: std::ptr::null_mut() });
+        if g.is_null() {
+            return true;
+        }
+        let found = (0..sys::gguf_get_n_tensors(g)).any(|i| std::ffi::CStr::from_ptr(sys::gguf_get_tensor_name(g, i)).to_bytes().ends_with(b".in_sum2"));
+        sys::gguf_free(g);
+        found
     }
 }
 

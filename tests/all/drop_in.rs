@@ -661,3 +661,29 @@ fn imatrix_on_device_agrees_with_the_exact_mode() {
     assert!((pe - pf).abs() <= 1e-3 * pe, "{pe} vs {pf}");
     assert!((pe - pt).abs() <= 1e-3 * pe, "{pe} vs {pt}");
 }
+
+/// `imatrix-diff` of the GGUF and the legacy `.dat` of one run: the `.dat`'s single call count
+/// per weight scales every expert's means (as llama-quantize reads it), so the two agree to
+/// the f32 rounding of the `.dat`'s pre-scaled values; a model is not an imatrix.
+#[test]
+fn imatrix_diff_compares_a_dat_with_the_gguf_of_the_same_run() {
+    let d = temp_dir("imatrix-diff-dat");
+    let model = fixture("qwen3moe");
+    for out in ["i.gguf", "i.dat"] {
+        let mut c = Command::new(ours());
+        c.current_dir(&d).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "2", "-t", "2", "--no-ppl", "--no-reap", "-o", out]);
+        if out.ends_with(".dat") {
+            c.args(["--output-format", "dat"]);
+        }
+        run_ok(&mut c);
+    }
+    let o = run_ok(Command::new(ours()).current_dir(&d).args(["imatrix-diff", "i.gguf", "i.dat", "--max-rel", "1e-6", "--json", "d.json"]));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("counts: not compared") && !text.contains("shapes differ"), "{text}");
+    let j: serde_json::Value = serde_json::from_slice(&read(&d.join("d.json"))).unwrap();
+    assert_eq!(j["comparable"], true);
+    assert!(j["values"].as_u64().unwrap() > 1000, "{j}");
+    let o = run(Command::new(ours()).current_dir(&d).arg("imatrix-diff").arg(&model).arg("i.gguf"));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not an imatrix (a model?)"));
+}

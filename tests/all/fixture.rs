@@ -32,3 +32,22 @@ fn fixture_generation_is_deterministic() {
     assert_eq!(a, b, "same seed, different bytes");
     assert_ne!(a, c, "different seed, same bytes");
 }
+
+/// Both outputs are checked before the model is generated: the summary onto the model, or
+/// into a folder that does not exist, is refused and nothing is written.
+#[test]
+fn fixture_outputs_are_checked_first() {
+    let d = temp_dir("fixture-outputs");
+    for (summary, says) in [("./m.gguf", "is -o too"), ("no/such/s.json", "does not exist")] {
+        let out = run(Command::new(ours()).current_dir(&d).args(["fixture", "--layers", "1", "-o", "m.gguf", "--summary-json", summary]));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(says), "{err}");
+        assert!(!d.join("m.gguf").exists());
+    }
+    // a poisoned token past the vocabulary would poison nothing
+    let out = run(Command::new(ours()).current_dir(&d).args(["fixture", "--layers", "1", "-o", "m.gguf", "--poison-token", "151936"]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the vocabulary has 151936 tokens"));
+    assert!(!d.join("m.gguf").exists());
+}

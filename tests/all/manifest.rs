@@ -50,6 +50,22 @@ fn a_run_reproduces_byte_for_byte_and_changes_are_reported() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("output reap i.reap.json: DIFFERENT"));
 
+    // -o with its value attached, reproduced from another folder into a relative --work-dir
+    std::fs::create_dir_all(d.join("at")).unwrap();
+    std::fs::create_dir_all(d.join("elsewhere")).unwrap();
+    run_ok(Command::new(ours()).current_dir(&d).args(["-m", "m.gguf", "-f", "c.txt", "-c", "256", "--chunks", "2", "-t", "2", "--no-ppl", "-oat/y.gguf"]));
+    let out = run(Command::new(ours()).current_dir(d.join("elsewhere")).args(["reproduce", "../at/y.manifest.json", "--work-dir", "wd", "--keep"]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("output imatrix at/y.gguf: identical"), "{text}");
+    assert!(d.join("elsewhere/wd/y.gguf").is_file());
+    // without --keep, a --work-dir that existed loses only the re-run's files
+    std::fs::write(d.join("elsewhere/wd/mine.txt"), "keep me").unwrap();
+    let out = run(Command::new(ours()).current_dir(d.join("elsewhere")).args(["reproduce", "../at/y.manifest.json", "--work-dir", "wd"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let left: Vec<String> = std::fs::read_dir(d.join("elsewhere/wd")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(left, ["mine.txt"]);
+
     // a manifest recording no outputs has nothing to reproduce
     let mut none = m.clone();
     none["outputs"] = serde_json::json!([]);
