@@ -83,7 +83,8 @@ impl Diff {
 /// |a - b| / max(|a|, |b|), 0 where both are 0 (and infinite where one is not finite and
 /// they differ).
 pub fn relative(a: f64, b: f64) -> f64 {
-    if a == b {
+    // NaN against NaN: the same value (a file against itself differs nowhere)
+    if a == b || (a.is_nan() && b.is_nan()) {
         return 0.0;
     }
     let d = (a - b).abs() / a.abs().max(b.abs());
@@ -231,6 +232,9 @@ fn to_json(d: &Diff, args: &ImatrixDiffArgs) -> serde_json::Value {
 }
 
 pub fn run(args: &ImatrixDiffArgs) -> Result<i32> {
+    if let Some(x) = args.max_rel.filter(|x| !(x.is_finite() && *x >= 0.0)) {
+        return Err(anyhow!(UsageError(format!("--max-rel {x}: a bound must be a number ≥ 0"))));
+    }
     let load = |p: &PathBuf| imatrix::load(p).map_err(|e| anyhow!(UsageError(format!("{e:#}"))));
     let (a, b) = (load(&args.a)?, load(&args.b)?);
     if let Some(j) = &args.json {
@@ -274,6 +278,7 @@ mod tests {
         assert!((relative(1.0, 1.5) - 0.5 / 1.5).abs() < 1e-15);
         assert_eq!(relative(0.0, 3.0), 1.0);
         assert_eq!(relative(f64::NAN, 1.0), f64::INFINITY);
+        assert_eq!(relative(f64::NAN, f64::NAN), 0.0);
     }
 
     /// Means, not raw sums, are compared; the worst value is found where it is; counts that

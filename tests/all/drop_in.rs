@@ -686,4 +686,6 @@ fn imatrix_diff_compares_a_dat_with_the_gguf_of_the_same_run() {
     let o = run(Command::new(ours()).current_dir(&d).arg("imatrix-diff").arg(&model).arg("i.gguf"));
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("not an imatrix (a model?)"));
+    let o = run(Command::new(ours()).current_dir(&d).args(["imatrix-diff", "i.gguf", "i.gguf", "--max-rel", "nan"]));
+    assert_eq!(o.status.code(), Some(2));
 }
