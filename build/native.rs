@@ -1,6 +1,7 @@
 //! The native build: the patched copy of llama.cpp compiled to static libraries by CMake.
 //!
-//! The build lives in the cache folder under a key of (pin, patches, features), not in
+//! The build lives in the cache folder under a key of (pin, patches, features, and
+//! LLAMA_CPP_DIR's canonical path when set; its sources' sizes and mtimes are in `.done`), not in
 //! OUT_DIR, so `cargo build --release` and `cargo test` share one build instead of compiling
 //! llama.cpp twice. It is always a Release build with upstream's own flags: the build type
 //! changes the numbers (see shared notes), and parity tests compare against a Release build.
@@ -27,14 +28,35 @@ struct CudaLink {
 pub fn build_llama(cfg: &Config, pristine: &Path) -> Result<NativeLibs, String> {
     let patches = patch::list_patches(&cfg.patches_dir).map_err(|e| format!("{}: {e}", cfg.patches_dir.display()))?;
     let patches_digest = patch::digest(&patches).map_err(|e| format!("reading patches: {e}"))?;
-    let key = build_key(cfg, &patches_digest);
+    // LLAMA_CPP_DIR: its own build folder (its path is in the key), rebuilt when its sources change
+    let llama_cpp_dir = match &cfg.llama_cpp_dir {
+        Some(d) => Some(fs::canonicalize(d).map_err(|e| format!("LLAMA_CPP_DIR={}: {e}", d.display()))?),
+        None => None,
+    };
+    let key = build_key(cfg, &patches_digest, llama_cpp_dir.as_deref());
     let root = cfg.cache_dir.join("build").join(&key);
-    fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
-    let _lock = Lock::take(&root.join(".lock"))?;
-
     let source_dir = root.join("src");
     let done = root.join(".done");
-    if !done.is_file() {
+    let stamp = match &llama_cpp_dir {
+        Some(d) => format!("{key}\n{}\n", tree_fingerprint(d)?),
+        None => format!("{key}\n"),
+    };
+    let is_done = || match &llama_cpp_dir {
+        Some(_) => fs::read_to_string(&done).is_ok_and(|s| s == stamp),
+        None => done.is_file(),
+    };
+    // a finished build is only read: no lock, so a read-only cache with the build in it works
+    let _lock = if is_done() {
+        None
+    } else {
+        fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+        Some(Lock::take(&root.join(".lock"))?)
+    };
+    if !is_done() {
+        // a stale stamp (LLAMA_CPP_DIR changed) must not outlive a rebuild that fails
+        if done.exists() {
+            fs::remove_file(&done).map_err(|e| format!("{}: {e}", done.display()))?;
+        }
         if source_dir.exists() {
             fs::remove_dir_all(&source_dir).map_err(|e| format!("{}: {e}", source_dir.display()))?;
         }
@@ -42,7 +64,7 @@ pub fn build_llama(cfg: &Config, pristine: &Path) -> Result<NativeLibs, String> 
             .map_err(|e| format!("copying {} to {}: {e}", pristine.display(), source_dir.display()))?;
         patch::apply_patches(&source_dir, &patches)?;
         run_cmake(cfg, &source_dir, &root)?;
-        fs::write(&done, format!("{key}\n")).map_err(|e| format!("{}: {e}", done.display()))?;
+        fs::write(&done, &stamp).map_err(|e| format!("{}: {e}", done.display()))?;
     }
     let lib_dirs = find_lib_dirs(&root.join("build"));
     if lib_dirs.is_empty() {
@@ -55,7 +77,44 @@ pub fn build_llama(cfg: &Config, pristine: &Path) -> Result<NativeLibs, String> 
     Ok(NativeLibs { source_dir, lib_dirs, patches_digest, cuda, rpc: cfg.rpc })
 }
 
-fn build_key(cfg: &Config, patches_digest: &str) -> String {
+/// What of a LLAMA_CPP_DIR tree the `llama` target is built from
+const FINGERPRINTED: &[&str] = &["CMakeLists.txt", "cmake", "ggml", "include", "src"];
+
+/// Path, size and mtime of every file under FINGERPRINTED (as make sees a change), hashed.
+/// Cargo is told to rerun the build script when any of them changes.
+fn tree_fingerprint(tree: &Path) -> Result<String, String> {
+    use sha2::{Digest, Sha256};
+    use std::os::unix::fs::MetadataExt;
+    let mut files = Vec::new();
+    let mut stack: Vec<PathBuf> = FINGERPRINTED.iter().map(|p| tree.join(p)).collect();
+    for p in &stack {
+        println!("cargo:rerun-if-changed={}", p.display());
+    }
+    while let Some(p) = stack.pop() {
+        let m = match fs::symlink_metadata(&p) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(format!("{}: {e}", p.display())),
+        };
+        if m.is_dir() {
+            let rd = fs::read_dir(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            stack.extend(rd.flatten().map(|e| e.path()));
+        } else {
+            let rel = p.strip_prefix(tree).unwrap_or(&p).to_string_lossy().into_owned();
+            files.push(format!("{rel}\t{}\t{}.{:09}", m.len(), m.mtime(), m.mtime_nsec()));
+        }
+    }
+    files.sort();
+    let mut h = Sha256::new();
+    for f in &files {
+        h.update(f.as_bytes());
+        h.update([b'\n']);
+    }
+    let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok(format!("tree {} files {}", files.len(), &hex[..16]))
+}
+
+fn build_key(cfg: &Config, patches_digest: &str, llama_cpp_dir: Option<&Path>) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     h.update(format!(
@@ -69,6 +128,10 @@ fn build_key(cfg: &Config, patches_digest: &str) -> String {
     ));
     if let Some(t) = &cfg.cuda_toolkit {
         h.update(format!("|{}|{}|vmm={}", t.root.display(), t.architectures, t.driver_dir.is_some()));
+    }
+    // only when set, so the key of the fetched pin is unchanged
+    if let Some(d) = llama_cpp_dir {
+        h.update(format!("|llama_cpp_dir={}", d.display()));
     }
     let hex: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
     format!("{}-{}", cfg.pin.commit, &hex[..12])

@@ -26,11 +26,14 @@ pub fn locate_pristine(cfg: &Config) -> Result<PathBuf, String> {
         .output()
         .map_err(|e| format!("could not run python3 {}: {e}\nInstall Debian's python3.", script.display()))?;
     if !out.status.success() {
-        return Err(format!(
-            "fetching the pinned llama.cpp failed:\n{}\nSet LLAMA_CPP_DIR to a llama.cpp checkout at commit {} to build offline.",
-            String::from_utf8_lossy(&out.stderr).trim(),
-            cfg.pin.commit
-        ));
+        let why = String::from_utf8_lossy(&out.stderr);
+        // fetch.py's own messages say what to do; the LLAMA_CPP_DIR way only where they do not
+        let other_way = if why.contains("LLAMA_CPP_DIR") {
+            String::new()
+        } else {
+            format!("\nOr set LLAMA_CPP_DIR to a llama.cpp checkout at commit {} to build without the fetch.", cfg.pin.commit)
+        };
+        return Err(format!("fetching the pinned llama.cpp failed:\n{}{other_way}", why.trim()));
     }
     let tree = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
     Ok(tree)
