@@ -145,12 +145,23 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let argv = redirect_outputs(&m.argv, &dir);
     let exe = std::env::current_exe().context("locating this program")?;
-    let run = std::process::Command::new(exe)
+    let manifest = redirected_manifest(&argv);
+    let rerun_files: Vec<PathBuf> = m.outputs.iter().map(|f| dir.join(f.path.file_name().unwrap_or_default())).chain(manifest).collect();
+    // a signal that ends reproduce goes to the re-run first, then takes what it wrote (and a
+    // folder reproduce made) with it; slots run out before a manifest's outputs do only in
+    // theory (16)
+    let _on_signal: Vec<_> = rerun_files.iter().chain(created.then_some(&dir)).map(|p| crate::interrupt::remove_on_signal(p)).collect();
+    let child = std::process::Command::new(exe)
         .args(&argv)
         .current_dir(&m.cwd)
         .stdout(std::process::Stdio::null())
-        .output()
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .context("re-running the recorded command")?;
+    let run = {
+        let _passed_on = crate::interrupt::child(child.id());
+        child.wait_with_output().context("re-running the recorded command")?
+    };
     if !run.status.success() {
         bail!("the re-run failed ({}); its outputs are in {}:\n{}", run.status, dir.display(), String::from_utf8_lossy(&run.stderr).trim_end());
     }
@@ -169,22 +180,38 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
             }
         }
     }
+    // the manifest vouches for the run; the files now at its paths may have been replaced since
+    for f in &m.outputs {
+        let full = if f.path.is_absolute() { f.path.clone() } else { m.cwd.join(&f.path) };
+        let replaced = match std::fs::metadata(&full) {
+            Ok(md) if md.len() != f.size => true,
+            Ok(_) => FileRecord::of(&f.role, &f.path, &m.cwd).is_ok_and(|now| now.sha256 != f.sha256),
+            Err(_) => false,
+        };
+        if replaced {
+            println!("  note: {} on disk is not the {} this manifest records (written over since, e.g. by a later run)", f.path.display(), f.role);
+        }
+    }
     if args.keep || !all_same {
         println!("  re-run outputs kept in {}", dir.display());
     } else if created {
         let _ = std::fs::remove_dir_all(&dir);
     } else {
-        let manifest = argv.iter().enumerate().find_map(|(i, a)| match a.strip_prefix("--manifest-out") {
-            Some("") => argv.get(i + 1).map(PathBuf::from),
-            Some(v) => v.strip_prefix('=').map(PathBuf::from),
-            None => None,
-        });
-        for p in m.outputs.iter().map(|f| dir.join(f.path.file_name().unwrap_or_default())).chain(manifest) {
+        for p in &rerun_files {
             let _ = std::fs::remove_file(p);
         }
     }
     println!("{}", if all_same { "reproduced: every output is byte-identical" } else { "NOT reproduced" });
     Ok(if all_same { 0 } else { crate::error::EXIT_FAILURE })
+}
+
+/// The re-run's `--manifest-out` (redirect_outputs always gives one).
+fn redirected_manifest(argv: &[String]) -> Option<PathBuf> {
+    argv.iter().enumerate().find_map(|(i, a)| match a.strip_prefix("--manifest-out") {
+        Some("") => argv.get(i + 1).map(PathBuf::from),
+        Some(v) => v.strip_prefix('=').map(PathBuf::from),
+        None => None,
+    })
 }
 
 fn short(sha: &str) -> &str {

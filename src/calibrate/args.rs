@@ -33,11 +33,11 @@ pub struct ImatrixArgs {
     pub ctx_size: i32,
 
     /// logical maximum batch size
-    #[arg(short = 'b', long = "batch-size", value_name = "N", default_value_t = 2048)]
+    #[arg(short = 'b', long = "batch-size", value_name = "N", default_value_t = 2048, allow_negative_numbers = true)]
     pub batch_size: i32,
 
     /// physical maximum batch size [-ub]
-    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512)]
+    #[arg(long = "ubatch-size", value_name = "N", default_value_t = 512, allow_negative_numbers = true)]
     pub ubatch_size: i32,
 
     /// number of CPU threads to use (default: -1, all cores)
@@ -65,7 +65,7 @@ pub struct ImatrixArgs {
     pub tensor_split: Option<String>,
 
     /// the GPU to use for the model [-mg]
-    #[arg(long = "main-gpu", value_name = "INDEX")]
+    #[arg(long = "main-gpu", value_name = "INDEX", allow_negative_numbers = true)]
     pub main_gpu: Option<i32>,
 
     /// whether to enable weight repacking (default: enabled)
@@ -99,7 +99,7 @@ pub struct ImatrixArgs {
 
     /// parallel sequences: accepted as upstream's llama-imatrix accepts it, with no effect there
     /// either (the sequences per batch are -b / -c) [-np]
-    #[arg(long = "parallel", value_name = "N")]
+    #[arg(long = "parallel", value_name = "N", allow_negative_numbers = true)]
     pub parallel: Option<i32>,
 
     /// model loading mode: auto, none, mmap, mlock, mmap+mlock, dio [-lm]
@@ -115,11 +115,11 @@ pub struct ImatrixArgs {
     pub chunks: i32,
 
     /// start processing the input from chunk N
-    #[arg(long = "chunk", visible_alias = "from-chunk", value_name = "N", default_value_t = 0)]
+    #[arg(long = "chunk", visible_alias = "from-chunk", value_name = "N", default_value_t = 0, allow_negative_numbers = true)]
     pub chunk: i32,
 
     /// output the imatrix every N chunks [-ofreq]
-    #[arg(long = "output-frequency", value_name = "N", default_value_t = 10)]
+    #[arg(long = "output-frequency", value_name = "N", default_value_t = 10, allow_negative_numbers = true)]
     pub output_frequency: i32,
 
     /// save an imatrix copy (<out>.at_N) every N chunks
@@ -202,7 +202,7 @@ pub struct ImatrixArgs {
     pub verbose: bool,
 
     /// verbosity threshold [-lv]
-    #[arg(long = "verbosity", visible_alias = "log-verbosity", value_name = "N")]
+    #[arg(long = "verbosity", visible_alias = "log-verbosity", value_name = "N", allow_negative_numbers = true)]
     pub verbosity: Option<i32>,
 }
 

@@ -46,6 +46,8 @@ pub struct Plan {
     pub prompt_file: String,
     /// the saliency JSON; None with --no-reap
     pub reap_out: Option<PathBuf>,
+    /// -o is a device written in place (`/dev/null`): nothing is written beside it by default
+    pub output_in_place: bool,
 }
 
 impl Plan {
@@ -58,6 +60,14 @@ impl Plan {
             bail!(UsageError(format!("--output-frequency must be > 0 (got {})", args.output_frequency)));
         }
         let n_seq = (args.batch_size / n_ctx).max(1);
+        // llama-context.cpp refuses more after the model load (LLAMA_MAX_SEQ in llama-cparams.h)
+        const MAX_SEQ: i32 = 256;
+        if n_seq > MAX_SEQ {
+            bail!(UsageError(format!(
+                "-b {} holds {n_seq} chunks of -c {n_ctx}, and llama.cpp takes at most {MAX_SEQ} sequences per batch: use a smaller -b or a larger -c",
+                args.batch_size
+            )));
+        }
         let n_kv = n_seq * n_ctx;
         let n_batch = args.batch_size.min(n_kv);
         let format = match args.output_format {
@@ -79,14 +89,47 @@ impl Plan {
             }
         }
         let prompt_file = args.file.as_ref().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
-        let reap_out = (!args.no_reap).then(|| args.reap_out.clone().unwrap_or_else(|| beside_output(&args.output_file, ".reap.json")));
         if args.no_reap && (args.trace_out.is_some() || args.reap_out.is_some()) {
             bail!(UsageError("--no-reap cannot be combined with --reap-out or --trace-out".into()));
+        }
+        // `-o /dev/null` discards the imatrix; files "beside" it would land in /dev
+        let output_in_place = crate::formats::atomic::in_place(&args.output_file);
+        let reap_out = match (&args.reap_out, output_in_place) {
+            _ if args.no_reap => None,
+            (Some(p), _) => Some(p.clone()),
+            (None, false) => Some(beside_output(&args.output_file, ".reap.json")),
+            (None, true) if args.trace_out.is_some() => bail!(UsageError(format!(
+                "-o {} is not a regular file, so the saliency JSON has no default place beside it: give --reap-out (--trace-out needs it)",
+                args.output_file.display()
+            ))),
+            (None, true) => None,
+        };
+        if output_in_place {
+            if args.save_frequency > 0 {
+                bail!(UsageError(format!(
+                    "--save-frequency {} writes copies beside -o ({}.at_N), and {} is not a regular file",
+                    args.save_frequency,
+                    args.output_file.display(),
+                    args.output_file.display()
+                )));
+            }
+            let unnamed: Vec<&str> = [(reap_out.is_none() && !args.no_reap, "--reap-out"), (args.manifest_out.is_none(), "--manifest-out")].into_iter().filter(|x| x.0).map(|x| x.1).collect();
+            if !unnamed.is_empty() {
+                eprintln!(
+                    "note: -o {} is not a regular file (written in place): nothing is written beside it; name {} to keep {}",
+                    args.output_file.display(),
+                    unnamed.join(" and "),
+                    if unnamed.len() == 2 { "the saliency JSON and the manifest" } else if unnamed[0] == "--reap-out" { "the saliency JSON" } else { "the manifest" }
+                );
+            }
+        }
+        if args.trace_tokens == Some(0) && args.trace_out.is_some() {
+            bail!(UsageError("--trace-tokens 0 traces nothing: give N ≥ 1, or leave out --trace-out".into()));
         }
         if args.trace_top_n == Some(0) {
             bail!(UsageError("--trace-top-n must be at least 1".into()));
         }
-        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, args })
+        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, output_in_place, args })
     }
 
     /// Every file the run will write, with the flag that names it.
@@ -98,12 +141,15 @@ impl Plan {
         if let Some(p) = &self.args.trace_out {
             v.push(("--trace-out", p.clone()));
         }
-        v.push(("--manifest-out", self.manifest_path()));
+        if let Some(p) = self.manifest_path() {
+            v.push(("--manifest-out", p));
+        }
         v
     }
 
-    pub fn manifest_path(&self) -> PathBuf {
-        self.args.manifest_out.clone().unwrap_or_else(|| beside_output(&self.args.output_file, ".manifest.json"))
+    /// None when -o is a device and no --manifest-out is given
+    pub fn manifest_path(&self) -> Option<PathBuf> {
+        self.args.manifest_out.clone().or_else(|| (!self.output_in_place).then(|| beside_output(&self.args.output_file, ".manifest.json")))
     }
 
     /// Before anything is loaded or computed: every output can be written, and no two outputs
@@ -257,10 +303,12 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         plan: &plan,
         writer: Writer::spawn_with(writer_threads),
         trace_started: false,
+        trace_published: false,
+        outputs_replaced: false,
         model_block: metadata::model_block(&model, &model_path, model_size, None),
         corpus_block: json!({
             "path": plan.prompt_file,
-            "bytes": text.len() + 1,
+            "bytes": std::fs::metadata(&text_path).map_or(text.len() as u64, |m| m.len()),
             "sha256": metadata::sha256_file(&text_path).ok(),
             "parse_special": plan.args.parse_special,
         }),
@@ -282,7 +330,8 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
                 return Err(w.err().unwrap_or(e).context("the run stopped; earlier checkpoints are left as they were"));
             }
             return Err(e.context(match w {
-                Ok(_) => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
+                Ok(_) if out.outputs_replaced => format!("the last checkpoint {} is left as it was", plan.args.output_file.display()),
+                Ok(_) => format!("nothing was written before (no checkpoint yet; {} was not touched)", plan.args.output_file.display()),
                 Err(we) => format!("and writing the last checkpoint failed too: {we:#}"),
             }));
         }
@@ -292,7 +341,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         bail!(stopped_by(*sig, i, None));
     }
     let state = ctx.observer().imatrix.state.clone();
+    if !out.outputs_replaced {
+        out.remove_stale_manifest();
+    }
     out.writer.send(plan.job(SaveRequest { at: None, state }));
+    out.publish_trace();
     let sha = model_sha.join().ok().flatten();
     out.model_block = metadata::model_block(&model, &model_path, model_size, sha.as_deref());
     if let Some(reap_out) = &plan.reap_out {
@@ -307,7 +360,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
             _ => eprintln!("notice: {} is a dense model (no MoE layers): imatrix only, no saliency JSON", model_path.display()),
         }
     }
-    let written = out.writer.finish()?;
+    let written = out.writer.finish().context("writing the final outputs failed; earlier checkpoints are left as they were")?;
     let mut extra = Vec::new();
     if let Some(p) = plan.reap_out.as_ref().filter(|p| p.is_file()) {
         extra.push(("reap", p.clone()));
@@ -321,6 +374,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         None => FileRecord::of("model", &model_path, &std::env::current_dir()?)?,
     };
     write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;
+    if interrupted.is_none() {
+        llama::abort::outputs_complete();
+    }
     let prefetched = ctx.observer().prefetch.as_ref().map_or(String::new(), |p| format!(" ({} tensors copied in {} copies in {} batches, {} waits, {:.3} s starting the copies and waiting)", p.tensors, p.copies, p.batches, p.waits, p.busy.as_secs_f64()));
     eprintln!(
         "collection: {:.3} s inside the eval callback over {} chunks; {} matmuls collected from the input of the one before (no callback of their own); {} nodes read at the end of their graph{prefetched}",
@@ -372,22 +428,23 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         eprintln!("routing trace written to {} ({} rows)", t.display(), ctx.observer().reap.as_ref().and_then(|r| r.trace.as_ref()).map_or(0, |t| t.rows));
     }
     if let Some((sig, i)) = interrupted {
-        bail!(stopped_by(sig, &i, Some(&plan.manifest_path())));
+        bail!(stopped_by(sig, &i, Some(plan.manifest_path().as_deref())));
     }
     Ok(())
 }
 
-/// The error of a run a signal stopped; `manifest`: where the outputs were recorded, if any.
-fn stopped_by(signal: i32, i: &Interruption, manifest: Option<&Path>) -> crate::error::Interrupted {
-    let message = match manifest {
+/// The error of a run a signal stopped; `written`: None when nothing was written, else the
+/// manifest that records the outputs (None inside: no manifest, -o being a device).
+fn stopped_by(signal: i32, i: &Interruption, written: Option<Option<&Path>>) -> crate::error::Interrupted {
+    let message = match written {
         None => format!("interrupted by {} before chunk {} was evaluated: nothing new was written", i.signal, i.chunk),
         Some(m) => format!(
-            "interrupted by {} during chunk {}: the outputs hold the {} tokens evaluated ({} whole chunks); {} records the interruption",
+            "interrupted by {} during chunk {}: the outputs hold the {} tokens evaluated ({} whole chunks){}",
             i.signal,
             i.chunk,
             i.tokens,
             i.chunks_done,
-            m.display()
+            m.map_or(String::new(), |m| format!("; {} records the interruption", m.display()))
         ),
     };
     crate::error::Interrupted { signal, message }
@@ -398,6 +455,10 @@ struct Outputs<'p> {
     plan: &'p Plan,
     writer: Writer,
     trace_started: bool,
+    /// the trace has its name (Job::TracePublish sent)
+    trace_published: bool,
+    /// a checkpoint was sent: the previous run's files are being replaced
+    outputs_replaced: bool,
     model_block: Value,
     corpus_block: Value,
     chunks_done: usize,
@@ -453,13 +514,35 @@ impl Outputs<'_> {
                     self.at_files.push(path.clone());
                 }
             }
+            if !self.outputs_replaced {
+                self.outputs_replaced = true;
+                self.remove_stale_manifest();
+            }
             self.writer.send(job);
+            // before the JSON: a JSON on disk always has its trace rows on disk
+            self.publish_trace();
             if let (Some(path), Some(s)) = (&self.plan.reap_out, c.reap) {
                 if !s.layers.is_empty() {
                     let s = self.with_metadata(ctx, s);
                     self.writer.send(Job::Saliency { path: path.clone(), saliency: Box::new(s) });
                 }
             }
+        }
+    }
+
+    /// The previous run's manifest vouches for the files this run now replaces: it goes before
+    /// the first of them does (this run's own is written at the end).
+    fn remove_stale_manifest(&self) {
+        if let Some(m) = self.plan.manifest_path().map(|m| crate::formats::atomic::resolve(&m)).filter(|m| m.is_file()) {
+            let _ = std::fs::remove_file(m);
+        }
+    }
+
+    /// The trace takes its name with the imatrix and JSON it belongs with (once).
+    fn publish_trace(&mut self) {
+        if self.trace_started && !self.trace_published {
+            self.trace_published = true;
+            self.writer.send(Job::TracePublish);
         }
     }
 
@@ -904,9 +987,13 @@ fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&
     for f in &plan.in_files {
         inputs.push(FileRecord::of("in_file", f, &cwd)?);
     }
-    let mut outs = vec![FileRecord::of("imatrix", &plan.args.output_file, &cwd)?];
-    for (role, p) in outputs {
-        outs.push(FileRecord::of(role, p, &cwd)?);
+    let Some(manifest_path) = plan.manifest_path() else { return Ok(()) };
+    // a device written in place (-o /dev/null) keeps nothing to record or compare
+    let mut outs = Vec::new();
+    for (role, p) in std::iter::once(&("imatrix", plan.args.output_file.clone())).chain(outputs) {
+        if !crate::formats::atomic::in_place(p) {
+            outs.push(FileRecord::of(role, p, &cwd)?);
+        }
     }
     let m = Manifest {
         tool_version: env!("CARGO_PKG_VERSION").into(),
@@ -920,5 +1007,5 @@ fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&
         interrupted: interrupted.cloned(),
         coverage,
     };
-    m.write(&plan.manifest_path())
+    m.write(&manifest_path)
 }

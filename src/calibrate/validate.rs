@@ -30,6 +30,7 @@ pub fn before_loading(plan: &mut super::Plan) -> Result<(PathBuf, ModelHeader, O
     let mut inputs = vec![("-m", model.clone())];
     inputs.extend(plan.args.file.iter().map(|f| ("-f", f.clone())));
     inputs.extend(plan.in_files.iter().map(|f| ("--in-file", f.clone())));
+    inputs.extend(plan.args.domains.iter().map(|f| ("--domains", f.clone())));
     outputs_are_not_inputs(&plan.outputs(), &inputs)?;
     let text = match &plan.args.file {
         Some(f) => Some(corpus("-f", f, plan.n_ctx as usize, plan.args.chunk.max(0) as usize)?),
@@ -60,9 +61,6 @@ pub fn flags(a: &super::args::ImatrixArgs) -> Result<()> {
     }
     if a.ubatch_size <= 0 {
         bail!(UsageError(format!("-ub {}: the micro-batch size must be at least 1", a.ubatch_size)));
-    }
-    if a.chunk < 0 {
-        bail!(UsageError(format!("--chunk {}: must be 0 or more", a.chunk)));
     }
     Ok(())
 }
@@ -129,6 +127,17 @@ pub fn corpus(flag: &str, path: &Path, n_ctx: usize, skip_chunks: usize) -> Resu
 /// another model is refused before anything is computed.
 pub fn in_file_matches_model(in_file: &Path, entries: &std::collections::BTreeMap<String, Entry>, model: &Path, h: &ModelHeader) -> Result<()> {
     for (name, e) in entries {
+        // upstream would stop on them only after the model load, naming a tensor but not the file
+        if let Some(i) = e.sums.iter().position(|v| !v.is_finite()) {
+            bail!(UsageError(format!(
+                "--in-file {}: {name} holds a non-finite sum ({} at index {i}): a damaged imatrix",
+                in_file.display(),
+                e.sums[i]
+            )));
+        }
+        if let Some(i) = e.counts.iter().position(|&c| c < 0) {
+            bail!(UsageError(format!("--in-file {}: {name} holds a negative count ({} at index {i}): a damaged imatrix", in_file.display(), e.counts[i])));
+        }
         let Some(ne) = h.tensors.get(name) else {
             bail!(UsageError(format!(
                 "--in-file {}: it has data for {name}, which {} does not have (an imatrix of another model?)",

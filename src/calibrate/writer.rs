@@ -30,6 +30,8 @@ pub enum Job {
     /// encodes the ubatches' `n` rows (ordering their candidates), appends them and rewrites
     /// the header; the emptied routing sets come back for reuse
     TraceUbatches { ubatches: Vec<PendingUbatch>, n: u64 },
+    /// gives the trace its name (it starts under a temporary one; see TraceFile::publish)
+    TracePublish,
     /// makes the writer thread panic (tests of a dead writer)
     #[cfg(test)]
     Panic,
@@ -188,9 +190,10 @@ fn run_job(job: Job, trace: &mut Option<TraceFile>, rows: &mut Vec<u8>, back: &S
         }
         Job::Saliency { path, saliency } => saliency.write(&path),
         Job::TraceCreate { path, header } => {
-            *trace = Some(TraceFile::create(&path, header)?);
+            *trace = Some(TraceFile::create_staged(&path, header)?);
             Ok(())
         }
+        Job::TracePublish => trace.as_mut().map_or(Ok(()), |t| t.publish()),
         Job::Sync(done) => {
             let _ = done.send(());
             Ok(())

@@ -25,17 +25,18 @@ pub const SINGLE_DASH_LONG: &[(&str, &str)] = &[
     ("-nkvo", "--no-kv-offload"),
 ];
 
-/// Flags of upstream's `llama-imatrix` we recognise but do not implement: a clear error beats
-/// clap's "unexpected argument" for someone pasting an upstream command line.
-pub const UNSUPPORTED: &[&str] = &[
-    "-p", "--prompt", "-bf", "--binary-file", "--lora", "--lora-scaled", "--control-vector",
-    "--control-vector-scaled", "--control-vector-layer-range", "--override-kv", "-ot",
-    "--override-tensor", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "--rope-scaling",
-    "--rope-scale", "--rope-freq-base", "--rope-freq-scale", "--yarn-orig-ctx", "--yarn-ext-factor",
-    "--yarn-attn-factor", "--yarn-beta-slow", "--yarn-beta-fast", "-hf", "-hfr", "--hf-repo",
-    "-mu", "--model-url", "--numa", "-C", "--cpu-mask", "-Cr", "--cpu-range",
-    "-dev", "--device", "-fitt", "--fit-target", "-fitc", "--fit-ctx",
-];
+/// Every flag spelling of upstream's `llama-imatrix` at the pin. Those we do not parse are
+/// refused by name: clap's "unexpected argument" would be less clear, and clap would read a
+/// multi-letter short flag as a bundle (`-hff` as `-h`, printing the help; `-bs` as `-b s`).
+pub fn upstream_flags() -> impl Iterator<Item = &'static str> {
+    include_str!("llama-imatrix-flags.txt").lines().filter(|l| !l.is_empty() && !l.starts_with('#'))
+}
+
+/// The first argument (after the program name) that is one of upstream's flags but not one
+/// that `known` (our parser's names) accepts.
+pub fn unsupported(argv: &[OsString], known: impl Fn(&str) -> bool) -> Option<String> {
+    argv.iter().skip(1).filter_map(|a| a.to_str()).map(|a| a.split_once('=').map_or(a, |(f, _)| f)).find(|f| !known(f) && upstream_flags().any(|u| u == *f)).map(String::from)
+}
 
 /// Flags given more than once, as typed (upstream warns about each: "specified multiple
 /// times … only last value will be used"; `--in-file` it appends all the same).
@@ -59,11 +60,9 @@ pub fn repeated(given: &[String]) -> Vec<String> {
     twice
 }
 
-/// Rewrites argv (program name first) so clap can parse it. Returns the name of the first
-/// upstream flag we do not implement, if any.
-pub fn normalize(argv: Vec<OsString>) -> (Vec<OsString>, Option<String>) {
+/// Rewrites argv (program name first) so clap can parse it.
+pub fn normalize(argv: Vec<OsString>) -> Vec<OsString> {
     let mut out = Vec::with_capacity(argv.len());
-    let mut unsupported = None;
     let mut iter = argv.into_iter().peekable();
     if let Some(prog) = iter.next() {
         out.push(prog);
@@ -93,12 +92,9 @@ pub fn normalize(argv: Vec<OsString>) -> (Vec<OsString>, Option<String>) {
             }
             continue;
         }
-        if unsupported.is_none() && UNSUPPORTED.contains(&flag) {
-            unsupported = Some(flag.to_string());
-        }
         out.push(arg);
     }
-    (out, unsupported)
+    out
 }
 
 #[cfg(test)]
@@ -107,7 +103,7 @@ mod tests {
 
     fn norm(args: &[&str]) -> Vec<String> {
         let v = std::iter::once("prog").chain(args.iter().copied()).map(OsString::from).collect();
-        normalize(v).0.into_iter().skip(1).map(|s| s.into_string().unwrap()).collect()
+        normalize(v).into_iter().skip(1).map(|s| s.into_string().unwrap()).collect()
     }
 
     #[test]
@@ -137,7 +133,11 @@ mod tests {
 
     #[test]
     fn reports_unsupported_upstream_flags() {
-        let v = ["prog", "--rope-scale", "2"].iter().map(OsString::from).collect();
-        assert_eq!(normalize(v).1.as_deref(), Some("--rope-scale"));
+        let v: Vec<OsString> = ["prog", "-m", "x", "--rope-scale=2", "-hff", "f"].iter().map(OsString::from).collect();
+        assert_eq!(unsupported(&v, |f| f == "-m").as_deref(), Some("--rope-scale"));
+        assert_eq!(unsupported(&v, |f| f == "-m" || f == "--rope-scale").as_deref(), Some("-hff"));
+        // values are not flags, and our own flags are not upstream's
+        let v: Vec<OsString> = ["prog", "--chunk", "-1", "--reap-out", "r.json", "-p"].iter().map(OsString::from).collect();
+        assert_eq!(unsupported(&v, |f| f == "--chunk").as_deref(), Some("-p"));
     }
 }

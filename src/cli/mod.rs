@@ -88,7 +88,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         return drop_in(argv);
     }
     // trace-decode and eval take llama.cpp's single-dash long flags (-ngl, -ub, -fa, -lm) as the drop-in does
-    let argv = if first == "trace-decode" || first == "eval" { argv::normalize(argv).0 } else { argv };
+    let argv = if first == "trace-decode" || first == "eval" { argv::normalize(argv) } else { argv };
     let cli = match Tools::try_parse_from(&argv) {
         Ok(c) => c,
         Err(e) => {
@@ -113,10 +113,24 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
     }
 }
 
+/// Whether the drop-in's parser takes `flag` as spelled (after argv::normalize): a long name or
+/// alias, or a one-letter short one.
+fn knows(command: &clap::Command, flag: &str) -> bool {
+    command.get_arguments().any(|a| match flag.strip_prefix("--") {
+        Some(long) => a.get_long() == Some(long) || a.get_all_aliases().is_some_and(|v| v.contains(&long)),
+        None => {
+            let mut c = flag.chars().skip(1);
+            matches!((c.next(), c.next()), (Some(ch), None) if a.get_short() == Some(ch) || a.get_all_short_aliases().is_some_and(|v| v.contains(&ch)))
+        }
+    }) || matches!(flag, "-h" | "--help" | "-V" | "--version")
+}
+
 fn drop_in(argv: Vec<OsString>) -> Result<i32> {
     let given: Vec<String> = argv.iter().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
-    let (argv, unsupported) = argv::normalize(argv);
-    if let Some(flag) = unsupported {
+    let argv = argv::normalize(argv);
+    use clap::{CommandFactory, FromArgMatches};
+    let command = DropIn::command();
+    if let Some(flag) = argv::unsupported(&argv, |f| knows(&command, f)) {
         anyhow::bail!(UsageError(format!("{flag}: accepted by llama-imatrix but not supported by reap-imatrix")));
     }
     // upstream keeps the last value of a repeated flag (and all files of a repeated --in-file)
@@ -124,8 +138,7 @@ fn drop_in(argv: Vec<OsString>) -> Result<i32> {
         let what = if flag == "--in-file" { "its files are all merged" } else { "only the last value is used" };
         eprintln!("warning: argument '{flag}' specified multiple times, use comma-separated values instead ({what})");
     }
-    use clap::{CommandFactory, FromArgMatches};
-    let parsed = match DropIn::command().args_override_self(true).after_help(drop_in_after_help()).try_get_matches_from(&argv).and_then(|m| DropIn::from_arg_matches(&m)) {
+    let parsed = match command.args_override_self(true).after_help(drop_in_after_help()).try_get_matches_from(&argv).and_then(|m| DropIn::from_arg_matches(&m)) {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { EXIT_USAGE } else { 0 };

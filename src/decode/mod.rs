@@ -65,8 +65,8 @@ pub struct TraceDecodeArgs {
     /// Router candidates kept per token and layer (at most n_expert)
     #[arg(long = "trace-top-n", value_name = "N", default_value_t = 64)]
     pub trace_top_n: usize,
-    /// (benchmark helper) run the same loop without reading the graph
-    #[arg(long = "no-trace", hide = true)]
+    /// (benchmark helper) run the same loop without reading the graph, writing no trace
+    #[arg(long = "no-trace")]
     pub no_trace: bool,
 }
 
@@ -304,6 +304,8 @@ impl TraceOut {
         let n = std::mem::take(&mut t.pending_rows);
         r.rows_handed += n;
         self.writer.send(Job::TraceUbatches { ubatches, n });
+        // the previous trace stays until this one holds rows (then every step is on disk)
+        self.writer.send(Job::TracePublish);
     }
 }
 

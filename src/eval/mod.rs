@@ -99,21 +99,27 @@ pub struct Outcome {
 
 /// The folder for this run's temporary files, removed when the run ends (also on error, and
 /// on a signal: see `interrupt`).
-struct Scratch(PathBuf, #[allow(dead_code)] crate::interrupt::RemoveOnSignal);
+/// A `--scratch DIR` that did not exist is made, and removed again with the folder in it.
+struct Scratch(PathBuf, Option<PathBuf>, #[allow(dead_code)] Vec<crate::interrupt::RemoveOnSignal>);
 
 impl Scratch {
     fn new(parent: Option<&Path>) -> Result<Scratch> {
         let parent = parent.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
+        let made = (!parent.exists()).then(|| parent.clone());
         let dir = parent.join(format!("reap-eval-{}", std::process::id()));
         std::fs::create_dir_all(&dir).map_err(|e| UsageError(format!("--scratch {}: {e}", parent.display())))?;
-        let on_signal = crate::interrupt::remove_on_signal(&dir);
-        Ok(Scratch(dir, on_signal))
+        // folders are removed after files, in the order registered: the inner one first
+        let on_signal = std::iter::once(&dir).chain(made.as_ref()).map(|d| crate::interrupt::remove_on_signal(d)).collect();
+        Ok(Scratch(dir, made, on_signal))
     }
 }
 
 impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+        if let Some(made) = &self.1 {
+            let _ = std::fs::remove_dir(made);
+        }
     }
 }
 
@@ -401,4 +407,24 @@ fn each_row<T: Send>(rows: &mut [u16], row: usize, threads: usize, f: impl Fn(us
             .collect();
         jobs.into_iter().flat_map(|j| j.join().expect("a scoring thread panicked")).collect()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scratch_folder_eval_made_goes_with_it_and_one_that_was_there_stays() {
+        let base = std::env::temp_dir().join(format!("reap-scratch-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let made = base.join("new");
+        let s = Scratch::new(Some(&made)).unwrap();
+        assert!(s.0.is_dir());
+        drop(s);
+        assert!(!made.exists(), "the --scratch folder eval made was left");
+        std::fs::create_dir_all(&made).unwrap();
+        drop(Scratch::new(Some(&made)).unwrap());
+        assert!(made.is_dir() && std::fs::read_dir(&made).unwrap().count() == 0, "a folder that was there must stay, emptied of ours");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 }

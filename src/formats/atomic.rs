@@ -11,33 +11,74 @@ pub fn temp_path(target: &Path) -> PathBuf {
     target.with_file_name(name)
 }
 
-/// Whether two paths name one file: the same spelling once made absolute (`a.json`,
-/// `./a.json`; for outputs that do not exist yet), or, both existing, the same inode (a
-/// symlink or hard link to it). Used to refuse an output that would overwrite an input.
+/// The file a write to `target` lands in: a symlink's target (followed, also when it does not
+/// exist yet), as upstream's `std::ofstream` writes through a link; otherwise `target`.
+/// Replacing the link itself would leave the file it points to stale.
+pub fn resolve(target: &Path) -> PathBuf {
+    let mut p = target.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => match std::fs::read_link(&p) {
+                Ok(to) => p = p.parent().map_or(to.clone(), |d| d.join(&to)),
+                Err(_) => break,
+            },
+            _ => break,
+        }
+    }
+    p
+}
+
+/// Whether `target` is written in place rather than replaced: an existing file that is
+/// neither a regular file nor a folder (`/dev/null`, a FIFO). A rename over it would put a
+/// regular file where the device node was (as root, `-o /dev/null` would replace the system's
+/// `/dev/null`), and a temporary file beside it may not be allowed (`/dev`).
+pub fn in_place(target: &Path) -> bool {
+    std::fs::metadata(target).is_ok_and(|m| !m.is_file() && !m.is_dir())
+}
+
+/// Whether two paths name one file: the same path once made absolute with its folder's links
+/// and `..` resolved (`a.json`, `./a.json`, `sub/../a.json`; for outputs that do not exist
+/// yet), or, both existing, the same inode (a symlink or hard link to it). Used to refuse an
+/// output that would overwrite an input, or another output. A device written in place
+/// (`/dev/null`) holds nothing to overwrite: it is never "the same file".
 pub fn same_file(a: &Path, b: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
-    let lexical = |p: &Path| -> Option<PathBuf> {
-        Some(std::path::absolute(p).ok()?.components().filter(|c| !matches!(c, std::path::Component::CurDir)).collect())
+    if in_place(a) || in_place(b) {
+        return false;
+    }
+    let real = |p: &Path| -> Option<PathBuf> {
+        let p = std::path::absolute(resolve(p)).ok()?;
+        let name = p.file_name()?.to_os_string();
+        let dir = std::fs::canonicalize(p.parent()?).ok()?;
+        Some(dir.join(name))
     };
     let inode = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
-    a == b || matches!((lexical(a), lexical(b)), (Some(x), Some(y)) if x == y) || matches!((inode(a), inode(b)), (Some(x), Some(y)) if x == y)
+    a == b || matches!((real(a), real(b)), (Some(x), Some(y)) if x == y) || matches!((inode(a), inode(b)), (Some(x), Some(y)) if x == y)
 }
 
 /// Whether `target` can be written the way `replace_with` writes it: its folder exists and a
-/// temporary file can be created (and is removed) there. Checked before a long run starts, so a
-/// typo in an output path costs a second, not the whole computation.
+/// temporary file can be created (and is removed) there; a device written in place must open
+/// for writing. Checked before a long run starts, so a typo in an output path costs a second,
+/// not the whole computation.
 pub fn check_writable(target: &Path) -> std::result::Result<(), String> {
-    let dir = match target.parent() {
+    let real = resolve(target);
+    if in_place(&real) {
+        return match std::fs::OpenOptions::new().write(true).open(&real) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(format!("{}: cannot write to it: {e}", target.display())),
+        };
+    }
+    let dir = match real.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
     if !dir.is_dir() {
         return Err(format!("{}: the folder {} does not exist", target.display(), dir.display()));
     }
-    if target.is_dir() {
+    if real.is_dir() {
         return Err(format!("{}: is a folder", target.display()));
     }
-    let tmp = temp_path(target);
+    let tmp = temp_path(&real);
     match std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp) {
         Ok(_) => {
             let _ = std::fs::remove_file(&tmp);
@@ -59,21 +100,30 @@ pub fn replace_with(target: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
 /// `write(i, tmp)` writes the i-th. (A failure between two renames, which write nothing, is
 /// the one window left.)
 pub fn replace_together(targets: &[&Path], mut write: impl FnMut(usize, &Path) -> Result<()>) -> Result<()> {
-    let tmps: Vec<PathBuf> = targets.iter().map(|t| temp_path(t)).collect();
-    let _on_signal: Vec<_> = tmps.iter().map(|t| crate::interrupt::remove_on_signal(t)).collect();
+    // a device (`/dev/null`) is written directly: nothing to sync, rename or remove
+    let reals: Vec<PathBuf> = targets.iter().map(|t| resolve(t)).collect();
+    let direct: Vec<bool> = reals.iter().map(|r| in_place(r)).collect();
+    let tmps: Vec<PathBuf> = reals.iter().zip(&direct).map(|(r, &d)| if d { r.clone() } else { temp_path(r) }).collect();
+    let _on_signal: Vec<_> = tmps.iter().zip(&direct).filter(|(_, &d)| !d).map(|(t, _)| crate::interrupt::remove_on_signal(t)).collect();
     let result = (|| {
         for (i, tmp) in tmps.iter().enumerate() {
             write(i, tmp)?;
-            std::fs::File::open(tmp).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", tmp.display()))?;
+            if !direct[i] {
+                std::fs::File::open(tmp).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", tmp.display()))?;
+            }
         }
-        for (tmp, target) in tmps.iter().zip(targets) {
-            std::fs::rename(tmp, target).with_context(|| format!("renaming {} to {}", tmp.display(), target.display()))?;
+        for ((tmp, real), &d) in tmps.iter().zip(&reals).zip(&direct) {
+            if !d {
+                std::fs::rename(tmp, real).with_context(|| format!("renaming {} to {}", tmp.display(), real.display()))?;
+            }
         }
         Ok(())
     })();
     if result.is_err() {
-        for tmp in &tmps {
-            let _ = std::fs::remove_file(tmp);
+        for (tmp, &d) in tmps.iter().zip(&direct) {
+            if !d {
+                let _ = std::fs::remove_file(tmp);
+            }
         }
     }
     result
@@ -120,6 +170,58 @@ mod tests {
         assert_eq!(std::fs::read_dir(&d).unwrap().count(), 2, "temporary files left");
         replace_together(&[&a, &b], |i, tmp| Ok(std::fs::write(tmp, format!("new {i}"))?)).unwrap();
         assert_eq!((std::fs::read_to_string(&a).unwrap(), std::fs::read_to_string(&b).unwrap()), ("new 0".into(), "new 1".into()));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("reap-atomic-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_symlink_is_written_through_and_a_fifo_in_place() {
+        use std::os::unix::fs::FileTypeExt;
+        let d = scratch("links");
+        std::fs::create_dir(d.join("real")).unwrap();
+        std::fs::write(d.join("real/im.gguf"), "old").unwrap();
+        std::os::unix::fs::symlink("real/im.gguf", d.join("link.gguf")).unwrap();
+        check_writable(&d.join("link.gguf")).unwrap();
+        write_bytes(&d.join("link.gguf"), b"new").unwrap();
+        assert!(std::fs::symlink_metadata(d.join("link.gguf")).unwrap().file_type().is_symlink(), "the link was replaced");
+        assert_eq!(std::fs::read_to_string(d.join("real/im.gguf")).unwrap(), "new");
+        // a dangling link: the file it names is created
+        std::os::unix::fs::symlink("real/new.json", d.join("dangling.json")).unwrap();
+        write_bytes(&d.join("dangling.json"), b"{}").unwrap();
+        assert_eq!(std::fs::read_to_string(d.join("real/new.json")).unwrap(), "{}");
+        // a FIFO (as /dev/null would be) is written, not replaced, and leaves nothing beside it
+        let fifo = d.join("pipe");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let reader = {
+            let f = fifo.clone();
+            std::thread::spawn(move || std::fs::read(f).unwrap())
+        };
+        assert!(in_place(&fifo));
+        write_bytes(&fifo, b"through the pipe").unwrap();
+        assert_eq!(reader.join().unwrap(), b"through the pipe");
+        assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "the FIFO was replaced by a file");
+        assert!(!same_file(&fifo, &fifo), "two writes to a device do not overwrite each other");
+        assert_eq!(std::fs::read_dir(&d).unwrap().count(), 4, "temporary files left");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn same_file_sees_through_dot_dot_and_linked_folders_before_the_file_exists() {
+        let d = scratch("same");
+        std::fs::create_dir(d.join("sub")).unwrap();
+        std::os::unix::fs::symlink(".", d.join("here")).unwrap();
+        let a = d.join("i.gguf");
+        assert!(same_file(&a, &d.join("sub/../i.gguf")));
+        assert!(same_file(&a, &d.join("here/i.gguf")));
+        assert!(same_file(&a, &d.join("./i.gguf")));
+        assert!(!same_file(&a, &d.join("sub/i.gguf")));
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

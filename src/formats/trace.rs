@@ -174,19 +174,58 @@ impl RowLayout {
     }
 }
 
-/// A trace being written.
+/// A trace being written. Staged ([TraceFile::create_staged]), it starts under a temporary
+/// name beside `path` and takes its place at [TraceFile::publish] (calibration: with the first
+/// checkpoint), so a run that fails or is killed before then leaves the previous trace at
+/// `path` as it was, beside the previous imatrix and JSON it belongs with. A device
+/// (`/dev/null`) is written in place.
 pub struct TraceFile {
     file: File,
     header: TraceHeader,
     path: std::path::PathBuf,
+    /// (temporary name, final file, its removal on a fatal signal) until published
+    staged: Option<(std::path::PathBuf, std::path::PathBuf, crate::interrupt::RemoveOnSignal)>,
+    /// a device cannot be synced
+    sync: bool,
 }
 
 impl TraceFile {
-    pub fn create(path: &Path, mut header: TraceHeader) -> Result<TraceFile> {
+    /// A trace written at `path` from the start (tests, tools that write one file at once).
+    pub fn create(path: &Path, header: TraceHeader) -> Result<TraceFile> {
+        Self::open(path, header, false)
+    }
+
+    /// A trace written under a temporary name until [TraceFile::publish].
+    pub fn create_staged(path: &Path, header: TraceHeader) -> Result<TraceFile> {
+        Self::open(path, header, true)
+    }
+
+    fn open(path: &Path, mut header: TraceHeader, staged: bool) -> Result<TraceFile> {
         header.n_tokens = 0;
-        let mut file = File::create(path).with_context(|| format!("creating trace {}", path.display()))?;
-        file.write_all(&header.encode()).with_context(|| format!("writing trace {}", path.display()))?;
-        Ok(TraceFile { file, header, path: path.to_path_buf() })
+        let real = crate::formats::atomic::resolve(path);
+        let in_place = crate::formats::atomic::in_place(&real);
+        let (open_at, staged) = if in_place || !staged {
+            (real, None)
+        } else {
+            let tmp = crate::formats::atomic::temp_path(&real);
+            let guard = crate::interrupt::remove_on_signal(&tmp);
+            (tmp.clone(), Some((tmp, real, guard)))
+        };
+        let file = File::create(&open_at).with_context(|| format!("creating trace {}", open_at.display()))?;
+        // from here a failure drops `t`, which removes the temporary file
+        let mut t = TraceFile { file, header, path: path.to_path_buf(), staged, sync: !in_place };
+        let bytes = t.header.encode();
+        t.file.write_all(&bytes).with_context(|| format!("writing trace {}", open_at.display()))?;
+        Ok(t)
+    }
+
+    /// Moves the trace to its name (once; later calls do nothing). The file stays open: rows
+    /// appended afterwards go to it there.
+    pub fn publish(&mut self) -> Result<()> {
+        if let Some((tmp, real, _guard)) = self.staged.take() {
+            std::fs::rename(&tmp, &real).with_context(|| format!("renaming {} to {}", tmp.display(), real.display()))?;
+        }
+        Ok(())
     }
 
     /// Appends `n_rows` encoded rows, then rewrites the header with the new count: a reader
@@ -196,7 +235,9 @@ impl TraceFile {
         let r = (|| -> std::io::Result<()> {
             self.file.seek(SeekFrom::End(0))?;
             self.file.write_all(rows)?;
-            self.file.sync_data()?;
+            if self.sync {
+                self.file.sync_data()?;
+            }
             self.file.seek(SeekFrom::Start(0))?;
             let mut h = self.header.clone();
             h.n_tokens += n_rows;
@@ -210,6 +251,15 @@ impl TraceFile {
 
     pub fn rows_written(&self) -> u64 {
         self.header.n_tokens
+    }
+}
+
+impl Drop for TraceFile {
+    /// Never published (the run failed first): the previous trace stays, the new one goes.
+    fn drop(&mut self) {
+        if let Some((tmp, _, _)) = self.staged.take() {
+            let _ = std::fs::remove_file(tmp);
+        }
     }
 }
 
@@ -374,6 +424,7 @@ mod tests {
             row(&h, t, &mut buf);
         }
         f.append(&buf, 2).unwrap();
+        f.publish().unwrap();
         let r = TraceReader::open(&p).unwrap();
         assert_eq!(r.n_rows, 5);
         let x = r.row(3);
@@ -394,6 +445,7 @@ mod tests {
         let mut buf = Vec::new();
         row(&h, 0, &mut buf);
         f.append(&buf, 1).unwrap();
+        f.publish().unwrap();
         drop(f);
         // a killed writer: one more row (and half of another) on disk, header still says 1
         let mut extra = Vec::new();

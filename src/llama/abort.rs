@@ -11,6 +11,14 @@ use crate::error::EXIT_FAILURE;
 use std::ffi::{c_char, CStr};
 use std::sync::Mutex;
 
+/// Set once every output and the manifest are on disk: an abort after that (a lost `--rpc`
+/// server while the model is freed) cannot cost anything, so the run still succeeds.
+static OUTPUTS_COMPLETE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub fn outputs_complete() {
+    OUTPUTS_COMPLETE.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
 /// `--rpc` servers of this process, for the message.
 static RPC_SERVERS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
@@ -30,6 +38,11 @@ pub(super) unsafe extern "C" fn on_abort(message: *const c_char) {
     let text = std::panic::catch_unwind(|| describe(&msg)).unwrap_or_else(|_| format!("llama.cpp stopped: {msg}"));
     if crate::progress::LINE_SHOWN.load(std::sync::atomic::Ordering::SeqCst) {
         eprintln!();
+    }
+    if OUTPUTS_COMPLETE.load(std::sync::atomic::Ordering::SeqCst) {
+        eprintln!("reap-imatrix: warning: {}\n  every output was written before (complete); only the clean-up stopped", text.lines().next().unwrap_or_default());
+        // SAFETY: as below
+        unsafe { libc::_exit(0) };
     }
     eprintln!("reap-imatrix: error: {text}");
     // SAFETY: _exit ends the process without running destructors, as abort() would.

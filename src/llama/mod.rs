@@ -3,7 +3,7 @@
 //! Everything above this module sees models, contexts, batches and tensor views, never raw
 //! pointers.
 
-mod abort;
+pub mod abort;
 pub mod batch;
 pub mod chat;
 pub mod context;

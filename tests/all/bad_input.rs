@@ -129,6 +129,12 @@ fn flags_refused_before_loading() {
         refused_early(&calibrate_in(&d, &m, &["-f", &c, "-c", ctx]), &["--ctx-size"]);
     }
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "--chunks", "0"]), &["--chunks 0"]);
+    // negative values given with a space are values, as upstream's parser takes them
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "-b", "-1"]), &["-b -1: the batch size must be at least 1"]);
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "-ub", "-3"]), &["-ub -3: the micro-batch size"]);
+    // llama.cpp takes at most 256 sequences per batch; said before the load, not after it
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "-c", "4"]), &["-b 2048 holds 512 chunks of -c 4", "at most 256"]);
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "--trace-out", "t.bin", "--trace-tokens", "0"]), &["--trace-tokens 0 traces nothing"]);
     // the fixture has 32 experts
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "--trace-out", "t.bin", "--trace-top-n", "33"]), &["--trace-top-n 33", "32 experts"]);
     // fewer candidates than the 4 experts a token uses: a trace no reader would accept
@@ -145,6 +151,16 @@ fn flags_refused_before_loading() {
         refused_early(&calibrate_in(&d, &m, &["-f", &c, flag, value]), &[flag, says]);
     }
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "-o", "a.gguf", "--reap-out", "./a.gguf"]), &["name the same file"]);
+    // the same new file through `..` or a linked folder
+    std::fs::create_dir_all(d.join("sub")).unwrap();
+    let _ = std::os::unix::fs::symlink(".", d.join("here"));
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "-o", "a.gguf", "--reap-out", "sub/../a.gguf"]), &["name the same file"]);
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "-o", "a.gguf", "--trace-out", "here/a.gguf"]), &["name the same file"]);
+    std::fs::write(d.join("dom.tsv"), "start	end	domain	tokens
+").unwrap();
+    refused_early(&calibrate_in(&d, &m, &["-f", &c, "--domains", "dom.tsv", "--manifest-out", "dom.tsv"]), &["--manifest-out dom.tsv is the --domains input"]);
+    assert_eq!(std::fs::read_to_string(d.join("dom.tsv")).unwrap(), "start	end	domain	tokens
+");
     let copy = d.join("model-copy.gguf");
     std::fs::copy(&m, &copy).unwrap();
     refused_early(&calibrate_in(&d, &copy, &["-f", &c, "-o", "model-copy.gguf"]), &["-o model-copy.gguf is the -m input"]);
@@ -179,6 +195,25 @@ fn an_in_file_of_another_model_is_refused_before_loading() {
     run_ok(Command::new(ours()).current_dir(&d).arg("-m").arg(&other).arg("-f").arg(corpus()).args(["-c", "64", "--chunks", "2", "--no-ppl", "--no-reap", "-o", "wide.imatrix.gguf"]));
     let out = calibrate_in(&d, &fixture("qwen3moe"), &["-f", &corpus().to_string_lossy(), "--in-file", "wide.imatrix.gguf"]);
     refused_early(&out, &["--in-file wide.imatrix.gguf", "blk.0.", "another model"]);
+}
+
+/// A NaN in an `--in-file` is named with the file before the model loads (upstream stops on it
+/// after the load, naming only a tensor).
+#[test]
+fn an_in_file_with_a_nan_is_refused_before_loading() {
+    let d = temp_dir("in-file-nan");
+    let m = fixture("qwen3moe");
+    let c = corpus().to_string_lossy().into_owned();
+    let good = calibrate_in(&d, &m, &["-f", &c, "-c", "64", "--chunks", "2", "--no-reap", "--output-format", "dat", "-o", "good.dat"]);
+    assert!(good.status.success(), "{}", String::from_utf8_lossy(&good.stderr));
+    // legacy layout: n_entries, then per entry: name length, name, ncall, nval, nval floats
+    let mut b = read(&d.join("good.dat"));
+    let name_len = i32::from_le_bytes(b[4..8].try_into().unwrap()) as usize;
+    let first_value = 8 + name_len + 8;
+    b[first_value..first_value + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(d.join("nan.dat"), &b).unwrap();
+    let out = calibrate_in(&d, &m, &["-f", &c, "--in-file", "nan.dat"]);
+    refused_early(&out, &["--in-file nan.dat", "non-finite sum (NaN at index 0)", "damaged imatrix"]);
 }
 
 // ---- files read by check, select, replay, reproduce
@@ -363,4 +398,46 @@ fn a_bad_backend_module_is_named_and_the_run_goes_on() {
     assert!(out.status.success(), "{err}");
     assert!(err.contains("could not load the backend module") && err.contains("libggml-junk.so"), "{err}");
     assert!(!err.contains("libggml-cpu-haswell.so") && !err.contains("libggml-base.so"), "{err}");
+}
+
+/// Every flag spelling of upstream's `llama-imatrix --help` at the pin is either parsed or
+/// refused by name: none reaches clap as an unknown argument or, being a multi-letter short
+/// flag, as a bundle of one-letter ones (`-hff` as `-h`: help and exit 0; `-bs` as `-b s`).
+/// The list our binary embeds is the reference binary's, as its --help spells it today.
+#[test]
+fn every_upstream_flag_is_parsed_or_refused_by_name() {
+    let help = run(Command::new(reference_bin("llama-imatrix")).arg("--help"));
+    let text = String::from_utf8_lossy(&help.stdout).into_owned() + &String::from_utf8_lossy(&help.stderr);
+    // a flag line: its spelling fills the first 40 columns, unless it runs past them
+    let mut upstream = std::collections::BTreeSet::new();
+    for line in text.lines().filter(|l| l.starts_with('-') && !l.starts_with("-----")) {
+        let spec = if line.len() > 40 && line.as_bytes()[39] == b' ' { &line[..40] } else { line };
+        for (i, _) in spec.match_indices('-') {
+            let before = spec[..i].chars().last();
+            if !(before.is_none() || before == Some(' ') || before == Some(',')) {
+                continue;
+            }
+            let flag: String = spec[i..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '-').collect();
+            if flag.trim_start_matches('-').starts_with(|c: char| c.is_ascii_alphabetic()) {
+                upstream.insert(flag);
+            }
+        }
+    }
+    let embedded: std::collections::BTreeSet<String> = std::fs::read_to_string(repo().join("src/cli/llama-imatrix-flags.txt"))
+        .unwrap()
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect();
+    assert!(upstream.len() > 150, "parsed only {} flags from upstream's --help", upstream.len());
+    assert_eq!(embedded, upstream, "src/cli/llama-imatrix-flags.txt is not upstream's flag list");
+    for flag in upstream.iter().filter(|f| !matches!(f.as_str(), "-h" | "--help" | "--version")) {
+        let out = run(Command::new(ours()).args(["-m", "/nonexistent.gguf", flag]));
+        let said = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{flag}: exit 0: {said}");
+        assert!(
+            !said.contains("unexpected argument") && !said.contains("invalid value") && !said.contains("A drop-in llama-imatrix"),
+            "{flag} was not parsed as upstream's flag: {said}"
+        );
+    }
 }

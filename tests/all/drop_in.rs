@@ -165,6 +165,15 @@ fn skipping_the_first_chunk() {
     p.assert_same_ppl();
 }
 
+/// Upstream skips chunks only when `--chunk` > 0: a negative one, given with a space as
+/// upstream's parser takes it, runs from the start.
+#[test]
+fn a_negative_chunk_starts_at_the_first() {
+    let p = run_both("q3-chunk-neg", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "256", "--chunk", "-1"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
 #[test]
 fn dat_output_format() {
     let p = run_both("q3-dat", &fixture("qwen3moe"), "imatrix.dat", &args(&["-c", "256", "-b", "256", "--output-format", "dat"]));

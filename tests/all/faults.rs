@@ -140,3 +140,81 @@ fn a_lost_rpc_server_is_named_and_the_last_checkpoint_stays_intact() {
     assert!(!err.contains("Thread debugging") && !err.contains("backtrace"), "no gdb backtrace:\n{err}");
     assert_consistent(&d, "server killed mid-run");
 }
+
+/// A symlink output is written through (the file it names is replaced, the link stays), and a
+/// device is written in place: never replaced by a regular file (as root, `-o /dev/null`
+/// would otherwise replace the system's /dev/null), with nothing written beside it.
+#[test]
+fn outputs_through_a_symlink_and_onto_a_device_keep_what_they_point_at() {
+    let d = temp_dir("link-and-device");
+    std::fs::create_dir(d.join("real")).unwrap();
+    std::os::unix::fs::symlink("real/i.gguf", d.join("link.gguf")).unwrap();
+    let quick = ["-c", "64", "-b", "64", "--chunks", "2"];
+    run_ok(calibrate_cmd(&d, &quick).args(["-o", "link.gguf"]));
+    assert!(std::fs::symlink_metadata(d.join("link.gguf")).unwrap().file_type().is_symlink(), "the link was replaced");
+    assert_eq!(imatrix_file::load(&d.join("real/i.gguf")).unwrap().chunk_count, 2);
+    Saliency::read(&d.join("link.reap.json")).unwrap();
+    // a private null device (mknod needs root; the test says so and stops otherwise)
+    use std::os::unix::fs::FileTypeExt;
+    let null = d.join("null");
+    let c = std::ffi::CString::new(null.to_str().unwrap()).unwrap();
+    // SAFETY: mknod(2) of a new node in the test's own folder.
+    if unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) } != 0 {
+        eprintln!("note: cannot make a device node here (not root?): the device half of this test did not run");
+        return;
+    }
+    let is_device = |p: &Path| std::fs::symlink_metadata(p).unwrap().file_type().is_char_device();
+    let out = run_ok(calibrate_cmd(&d, &quick).args(["-o", "null", "--reap-out", "r.json", "--trace-out", "t.bin"]));
+    assert!(is_device(&null), "-o replaced the device with a file");
+    Saliency::read(&d.join("r.json")).unwrap();
+    assert_eq!(TraceReader::open(&d.join("t.bin")).unwrap().n_rows, 128);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("name --manifest-out to keep the manifest"));
+    let before: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let out = run_ok(calibrate_cmd(&d, &quick).args(["-o", "null"]));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nothing is written beside it; name --reap-out and --manifest-out"));
+    assert!(is_device(&null));
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), before.len(), "something was written beside the device");
+    let out = run(calibrate_cmd(&d, &quick).args(["-o", "null", "--trace-out", "t2.bin"]));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("give --reap-out"));
+}
+
+/// A run over an earlier run's outputs, killed before its first checkpoint, leaves every earlier
+/// file as it was (its trace grows under a temporary name); killed after it, the earlier
+/// manifest is gone (it described the replaced files) and what is left is consistent.
+#[test]
+fn a_rerun_killed_leaves_the_earlier_run_whole_or_its_own_consistent() {
+    let model = fixture("qwen3moe");
+    let d = temp_dir("rerun-killed");
+    let first = run_ok(Command::new(ours()).current_dir(&d).arg("-m").arg(&model).arg("-f").arg(corpus()).args(ARGS).args(["--chunks", "4"]));
+    assert!(first.status.success());
+    let names = ["i.gguf", "i.reap.json", "t.bin", "i.manifest.json"];
+    let earlier: Vec<Vec<u8>> = names.iter().map(|n| read(&d.join(n))).collect();
+    // no checkpoint before the end: killed once its trace holds rows
+    let mut child = start_run(&d, &model, &["--output-frequency", "1000"], Stdio::null());
+    let staged = d.join(format!("t.bin.tmp{}", child.id()));
+    let t0 = Instant::now();
+    while std::fs::metadata(&staged).map_or(true, |m| m.len() < 64 * 1024) {
+        assert!(child.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_secs(120), "the re-run's trace never grew");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    child.wait().unwrap();
+    for (n, bytes) in names.iter().zip(&earlier) {
+        assert!(read(&d.join(n)) == *bytes, "{n} changed before the re-run's first checkpoint");
+    }
+    // killed after its first checkpoint: the earlier manifest went first
+    let mut child = start_run(&d, &model, &[], Stdio::null());
+    let t0 = Instant::now();
+    while std::fs::read(d.join("i.reap.json")).is_ok_and(|b| b == earlier[1]) {
+        assert!(child.try_wait().unwrap().is_none() && t0.elapsed() < Duration::from_secs(120), "no checkpoint of the re-run");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    // SAFETY: as above
+    unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
+    child.wait().unwrap();
+    assert!(!d.join("i.manifest.json").exists(), "the earlier manifest still vouches for replaced files");
+    assert_consistent(&d, "a re-run killed after its first checkpoint");
+}

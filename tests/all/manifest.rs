@@ -82,3 +82,36 @@ fn a_run_reproduces_byte_for_byte_and_changes_are_reported() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("input corpus c.txt: CHANGED"));
 }
+
+/// A signal that ends `reproduce` ends its re-run too and takes the re-run's files and the
+/// folder it made with it: no orphan keeps writing, no scratch folder is left. And a manifest
+/// whose outputs were written over since says so.
+#[test]
+fn a_signal_to_reproduce_stops_the_rerun_and_leaves_no_scratch() {
+    let d = temp_dir("reproduce-signal");
+    let run_args = ["-c", "64", "-b", "64", "--chunks", "150", "--trace-out", "t.bin"];
+    run_ok(&mut calibrate_cmd(&d, &run_args));
+    let work = d.join("again");
+    let mut cmd = Command::new(ours());
+    cmd.args(["reproduce"]).arg(d.join("i.manifest.json")).arg("--work-dir").arg(&work);
+    let mut child = default_signals(&mut cmd).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    wait_for_file(&mut child, &work.join("i.reap.json"));
+    signal(&child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    // an orphaned re-run would go on writing into the folder
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(!work.exists(), "the scratch folder was left: {:?}", std::fs::read_dir(&work).map(|r| r.map(|e| e.unwrap().file_name()).collect::<Vec<_>>()));
+    // outputs written over by a later run (which removes the manifest at its own path; a copy
+    // kept aside still names them) are named, and the re-run still reproduces
+    let short = ["-c", "64", "-b", "64", "--trace-out", "s.bin", "-o", "s.gguf"];
+    run_ok(calibrate_cmd(&d, &short).args(["--chunks", "2"]));
+    std::fs::copy(d.join("s.manifest.json"), d.join("saved.json")).unwrap();
+    run_ok(calibrate_cmd(&d, &short).args(["--chunks", "3"]));
+    let out = run(Command::new(ours()).arg("reproduce").arg(d.join("saved.json")));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for f in ["s.gguf", "s.reap.json", "s.bin"] {
+        assert!(text.contains(&format!("note: {f} on disk is not the")), "{f}: {text}");
+    }
+}

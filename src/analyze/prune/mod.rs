@@ -146,7 +146,8 @@ fn check_outputs(opts: &PruneOptions) -> Result<()> {
     for (oi, (of, o)) in outputs.iter().enumerate() {
         for (f, i) in inputs.iter().chain(&outputs[..oi]) {
             if atomic::same_file(o, i) {
-                return Err(usage(format!("{of} {}: the same file as {f} (an output must not overwrite an input)", o.display())));
+                let what = if oi > 0 && outputs[..oi].iter().any(|(g, _)| g == f) { "two outputs must be two files" } else { "an output must not overwrite an input" };
+                return Err(usage(format!("{of} {}: the same file as {f} ({what})", o.display())));
             }
         }
         if o.exists() && !opts.force {

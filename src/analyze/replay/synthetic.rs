@@ -54,7 +54,7 @@ pub fn write(path: &Path, s: &Spec) -> Result<()> {
         flags: FLAG_NORMALISED,
     };
     let layout = header.layout();
-    let mut file = TraceFile::create(path, header)?;
+    let mut file = TraceFile::create_staged(path, header)?;
     let mut rng = Rng::new(s.seed);
     let (ne, nl) = (s.experts, s.layers);
     // per layer: popularity −0.6·ln(1 + rank) over a random permutation
@@ -132,5 +132,5 @@ pub fn write(path: &Path, s: &Spec) -> Result<()> {
     if pending > 0 {
         file.append(&buf, pending)?;
     }
-    Ok(())
+    file.publish()
 }

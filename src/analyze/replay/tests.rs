@@ -40,6 +40,7 @@ fn write_trace(name: &str, n_expert: u32, k: u32, top_n: u32, toks: &[Tok]) -> P
         );
     }
     f.append(&buf, toks.len() as u64).unwrap();
+    f.publish().unwrap();
     p
 }
 
