@@ -501,7 +501,7 @@ fn weighting_sources<'a>(r: &mut ReapState, node: Node<'a>) -> Result<(Node<'a>,
     let (Some(f), Some(g)) = (node.src(0), node.src(1)) else { return Err(format!("{name}: no sources")) };
     if f.info().op == sys::GGML_OP_REPEAT {
         return Err(format!(
-            "{name}: this architecture weights the experts' inputs, not their outputs; REAP saliency is not defined for it here (use --no-reap)"
+            "{name}: this architecture weights the experts' inputs, not their outputs; REAP saliency is not defined for it here (run with --no-reap)"
         ));
     }
     if r.weights_node.is_none() {

@@ -39,6 +39,15 @@ pub fn before_loading(plan: &mut super::Plan) -> Result<(PathBuf, ModelHeader, O
     if let Some(servers) = &plan.args.rpc {
         rpc_servers(servers)?;
     }
+    // llama.cpp's llama4 graph multiplies the experts' inputs by the gate (llama-graph.cpp,
+    // weight_before_ffn), so there is no unweighted expert output to take the norm of
+    if header.arch == INPUT_WEIGHTED_ARCH && plan.reap_out.is_some() {
+        if plan.args.reap_out.is_some() || plan.args.trace_out.is_some() {
+            bail!(UsageError(format!("--reap-out/--trace-out: {}", input_weighted(&model))));
+        }
+        eprintln!("notice: {}: imatrix only, no saliency JSON or routing trace", input_weighted(&model));
+        plan.reap_out = None;
+    }
     if !header.is_moe() && plan.reap_out.is_some() {
         eprintln!(
             "notice: {} is a dense model ({}, no experts): imatrix only, no saliency JSON or routing trace",
@@ -65,8 +74,11 @@ pub fn flags(a: &super::args::ImatrixArgs) -> Result<()> {
     Ok(())
 }
 
-/// The flags that depend on the model: `--trace-top-n` at most n_expert.
+/// The flags that depend on the model: `--trace-top-n` at most n_expert; a trace needs one k.
 pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader) -> Result<()> {
+    if let (Some(ks), Some(_)) = (h.varying_k(), &a.trace_out) {
+        bail!(UsageError(one_k_per_trace(model, &ks)));
+    }
     if let Some(n) = a.trace_top_n {
         if h.is_moe() && n < h.n_expert_used as usize {
             bail!(UsageError(format!(
@@ -85,6 +97,25 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
         }
     }
     Ok(())
+}
+
+/// The architecture whose gate weights the experts' inputs (Llama 4).
+pub const INPUT_WEIGHTED_ARCH: &str = "llama4";
+
+pub fn input_weighted(model: &Path) -> String {
+    format!(
+        "{} is a llama4 model: llama.cpp multiplies its experts' inputs by the router's gate, not their outputs, so REAP saliency (gate × ‖expert output‖) is not defined for it",
+        model.display()
+    )
+}
+
+/// Why a model whose layers use different numbers of experts per token cannot be traced.
+pub fn one_k_per_trace(model: &Path, ks: &[u32]) -> String {
+    format!(
+        "--trace-out: {} uses a different number of experts per token in different layers ({}), and a routing trace holds one k per file; the saliency JSON handles it: leave out --trace-out",
+        model.display(),
+        ks.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+    )
 }
 
 /// The corpus as upstream reads `-f` (bytes, one trailing newline removed), refused when it is

@@ -142,8 +142,21 @@ impl Writer {
     pub fn sync(&self) {
         let (tx, rx) = bounded(1);
         if let Some(q) = &self.tx {
-            if q.send(Job::Sync(tx)).is_ok() {
-                let _ = rx.recv();
+            if q.send(Job::Sync(tx)).is_err() {
+                let _ = self.failed.set("the writer thread ended unexpectedly".into());
+            } else {
+                // a writer that panicked leaves the job queued (the channel lives while we hold
+                // its sender), so its answer would never come: look at the thread meanwhile
+                loop {
+                    match rx.recv_timeout(Duration::from_millis(50)) {
+                        Err(crossbeam_channel::RecvTimeoutError::Timeout) if !self.handle.as_ref().is_none_or(|h| h.is_finished()) => continue,
+                        Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                            let _ = self.failed.set("the writer thread ended unexpectedly".into());
+                            break;
+                        }
+                        _ => break,
+                    }
+                }
             }
         }
     }
@@ -244,6 +257,19 @@ mod tests {
         assert!(format!("{e:#}").contains("no-such-folder"), "{e:#}");
         assert!(!later.exists());
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A Sync queued behind a job that panics is answered by no one (the channel keeps it):
+    /// sync() still returns, with the failure set, whichever came first.
+    #[test]
+    fn a_writer_that_panicked_does_not_hang_sync() {
+        for pause in [0, 100] {
+            let w = Writer::spawn();
+            w.send(Job::Panic);
+            std::thread::sleep(Duration::from_millis(pause));
+            w.sync();
+            assert!(w.failure().is_some_and(|f| f.0.contains("ended unexpectedly")), "pause {pause} ms");
+        }
     }
 
     /// A writer thread that dies: sends return at once, the compute side sees the failure,

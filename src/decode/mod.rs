@@ -110,6 +110,12 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
         crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("--trace-out {e}")))?;
     }
     let header = crate::formats::gguf_header::read_model("-m", &args.model)?;
+    if header.arch == crate::calibrate::validate::INPUT_WEIGHTED_ARCH && !args.no_trace {
+        bail!(UsageError(format!("{}; its routing cannot be traced here", crate::calibrate::validate::input_weighted(&args.model))));
+    }
+    if let Some(ks) = header.varying_k().filter(|_| !args.no_trace) {
+        bail!(UsageError(crate::calibrate::validate::one_k_per_trace(&args.model, &ks)));
+    }
     if header.is_moe() && !args.no_trace && args.trace_top_n < header.n_expert_used as usize {
         bail!(UsageError(format!(
             "--trace-top-n {}: fewer than the {} experts each token uses (the candidates hold the selected ones)",

@@ -232,6 +232,36 @@ impl Header {
         }
     }
 
+    /// An integer value, or each element of an array of integers (a per-layer
+    /// `expert_used_count`, as Nemotron-H's Puzzle variants write it).
+    pub fn uints(&self, b: &[u8], key: &str) -> Option<Vec<u64>> {
+        let kv = self.kv(key)?;
+        if kv.ty != TYPE_ARRAY {
+            return self.uint(b, key).map(|v| vec![v]);
+        }
+        let v = &b[kv.value.clone()];
+        let ety = u32::from_le_bytes(v.get(..4)?.try_into().ok()?);
+        let n = u64::from_le_bytes(v.get(4..12)?.try_into().ok()?) as usize;
+        let size = scalar_size(ety)? as usize;
+        let items = v.get(12..12 + n.checked_mul(size)?)?;
+        items
+            .chunks_exact(size)
+            .map(|c| {
+                let mut a = [0u8; 8];
+                a[..size].copy_from_slice(c);
+                let raw = u64::from_le_bytes(a);
+                match ety {
+                    TYPE_U8 | TYPE_U16 | TYPE_U32 | TYPE_U64 => Some(raw),
+                    TYPE_I8 => u64::try_from(c[0] as i8).ok(),
+                    TYPE_I16 => u64::try_from(raw as u16 as i16).ok(),
+                    TYPE_I32 => u64::try_from(raw as u32 as i32).ok(),
+                    TYPE_I64 => u64::try_from(raw as i64).ok(),
+                    _ => None,
+                }
+            })
+            .collect()
+    }
+
     pub fn string(&self, b: &[u8], key: &str) -> Option<String> {
         let kv = self.kv(key).filter(|kv| kv.ty == TYPE_STRING)?;
         String::from_utf8(b[kv.value.start + 8..kv.value.end].to_vec()).ok()

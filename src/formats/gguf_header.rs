@@ -44,8 +44,10 @@ pub struct ModelHeader {
     pub arch: String,
     /// `<arch>.expert_count`; 0 or absent: a dense model
     pub n_expert: u32,
-    /// `<arch>.expert_used_count`
+    /// `<arch>.expert_used_count` (the largest, where it is an array of one per layer)
     pub n_expert_used: u32,
+    /// the per-layer values where `expert_used_count` is an array (Nemotron-H Puzzle), else empty
+    pub n_expert_used_per_layer: Vec<u32>,
     /// tensor name → ne (ggml order, unused dimensions 1)
     pub tensors: BTreeMap<String, [i64; 4]>,
 }
@@ -53,6 +55,15 @@ pub struct ModelHeader {
 impl ModelHeader {
     pub fn is_moe(&self) -> bool {
         self.n_expert > 0
+    }
+
+    /// The distinct experts-per-token counts of the MoE layers, where they differ (a routing
+    /// trace holds one k per file).
+    pub fn varying_k(&self) -> Option<Vec<u32>> {
+        let mut ks: Vec<u32> = self.n_expert_used_per_layer.iter().copied().filter(|&k| k > 0).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        (ks.len() > 1).then_some(ks)
     }
 }
 
@@ -111,7 +122,22 @@ pub fn read_model(flag: &str, path: &Path) -> Result<ModelHeader> {
         };
         h.arch = str_kv("general.architecture").ok_or_else(|| bad(flag, path, "no general.architecture in its header"))?;
         h.n_expert = int_kv(&format!("{}.expert_count", h.arch)).unwrap_or(0).min(u32::MAX as u64) as u32;
-        h.n_expert_used = int_kv(&format!("{}.expert_used_count", h.arch)).unwrap_or(0).min(u32::MAX as u64) as u32;
+        let used_key = format!("{}.expert_used_count", h.arch);
+        h.n_expert_used = int_kv(&used_key).unwrap_or(0).min(u32::MAX as u64) as u32;
+        let id = CString::new(used_key).map_or(-1, |k| sys::gguf_find_key(g.0, k.as_ptr()));
+        if id >= 0 && sys::gguf_get_kv_type(g.0, id) == sys::GGUF_TYPE_ARRAY {
+            let n = sys::gguf_get_arr_n(g.0, id);
+            let data = sys::gguf_get_arr_data(g.0, id);
+            let values: Option<Vec<u32>> = match sys::gguf_get_arr_type(g.0, id) {
+                sys::GGUF_TYPE_UINT32 => Some(std::slice::from_raw_parts(data.cast::<u32>(), n).to_vec()),
+                sys::GGUF_TYPE_INT32 => std::slice::from_raw_parts(data.cast::<i32>(), n).iter().map(|&v| u32::try_from(v).ok()).collect(),
+                _ => None,
+            };
+            if let Some(v) = values {
+                h.n_expert_used = v.iter().copied().max().unwrap_or(0);
+                h.n_expert_used_per_layer = v;
+            }
+        }
         for i in 0..sys::gguf_get_n_tensors(g.0) {
             let name = CStr::from_ptr(sys::gguf_get_tensor_name(g.0, i)).to_string_lossy().into_owned();
             let ne = std::slice::from_raw_parts(sys::gguf_get_tensor_ne(g.0, i), 4);

@@ -135,6 +135,22 @@ fn flags_refused_before_loading() {
     // llama.cpp takes at most 256 sequences per batch; said before the load, not after it
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "-c", "4"]), &["-b 2048 holds 512 chunks of -c 4", "at most 256"]);
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "--trace-out", "t.bin", "--trace-tokens", "0"]), &["--trace-tokens 0 traces nothing"]);
+    // a trace holds one k: a model whose layers use different counts is not traced
+    let per_layer = d.join("per-layer-k.gguf");
+    with_per_layer_k(&m, &per_layer, &[4, 2, 6, 4]);
+    refused_early(&calibrate_in(&d, &per_layer, &["-f", &c, "--trace-out", "t.bin"]), &["different number of experts per token in different layers (2, 4, 6)", "leave out --trace-out"]);
+    // llama4 weights the experts' inputs: REAP is off by default (a notice), refused when asked for
+    let l4 = d.join("llama4-header.gguf");
+    with_kv(&m, &l4, |_| "general.architecture".into(), &gguf_string("llama4"));
+    refused_early(&calibrate_in(&d, &l4, &["-f", &c, "--reap-out", "r.json"]), &["is a llama4 model", "REAP saliency (gate × ‖expert output‖) is not defined"]);
+    let out = calibrate_in(&d, &l4, &["-f", &c]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("notice: ") && String::from_utf8_lossy(&out.stderr).contains("imatrix only"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run(Command::new(ours()).args(["trace-decode", "-m"]).arg(&l4).args(["-f"]).arg(repo().join("corpus/prompts.txt")).args(["--trace-out"]).arg(d.join("d.bin")));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("its routing cannot be traced here"), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run(Command::new(ours()).args(["trace-decode", "-m"]).arg(&per_layer).args(["-f"]).arg(repo().join("corpus/prompts.txt")).args(["--trace-out"]).arg(d.join("d.bin")));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("different number of experts per token"), "{}", String::from_utf8_lossy(&out.stderr));
     // the fixture has 32 experts
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "--trace-out", "t.bin", "--trace-top-n", "33"]), &["--trace-top-n 33", "32 experts"]);
     // fewer candidates than the 4 experts a token uses: a trace no reader would accept

@@ -501,6 +501,20 @@ fn prune_refuses_k_below_expert_used_count() {
     r.expect(&r.map(map_json(&vec![vec![0, 1, 2]; 4])), &[], "fewer than the 4 each token uses");
 }
 
+/// Where `expert_used_count` is one value per layer, the largest is what a kept set must hold
+/// (llama.cpp asserts n_expert_used_max <= n_expert at load).
+#[test]
+fn prune_refuses_k_below_the_largest_per_layer_expert_used_count() {
+    let r = Refusal::new("small-k-per-layer");
+    let model = r.dir.join("per-layer-k.gguf");
+    with_per_layer_k(&fixture("qwen3moe"), &model, &[4, 2, 6, 4]);
+    let map = r.map(map_json(&vec![vec![0, 1, 2, 3, 4]; 4]));
+    let out = run(Command::new(ours()).current_dir(&r.dir).arg("prune").arg("-m").arg(&model).arg("--keep-map").arg(&map).arg("-o").arg(&r.out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("fewer than the 6 each token uses"), "{err}");
+}
+
 #[test]
 fn prune_refuses_to_overwrite_an_input() {
     let r = Refusal::new("same");

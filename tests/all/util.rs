@@ -178,3 +178,47 @@ impl Drop for RpcServer {
         self.kill();
     }
 }
+
+/// A copy of `src` whose `<arch>.expert_used_count` is the u32 array `ks` (one per layer, as
+/// Nemotron-H's Puzzle variants write it), every other pair and tensor as they were.
+pub fn with_per_layer_k(src: &Path, dst: &Path, ks: &[u32]) {
+    let mut value = Vec::new();
+    value.extend_from_slice(&9u32.to_le_bytes()); // array
+    value.extend_from_slice(&4u32.to_le_bytes()); // of u32
+    value.extend_from_slice(&(ks.len() as u64).to_le_bytes());
+    for k in ks {
+        value.extend_from_slice(&k.to_le_bytes());
+    }
+    with_kv(src, dst, |arch| format!("{arch}.expert_used_count"), &value);
+}
+
+/// A copy of `src` whose key `key(arch)` has the (type, value) bytes `value`, every other
+/// pair and tensor as they were.
+pub fn with_kv(src: &Path, dst: &Path, key: impl Fn(&str) -> String, value: &[u8]) {
+    use reap_imatrix::formats::gguf::{encode_header, Header};
+    let b = read(src);
+    let h = Header::parse(&b).unwrap();
+    let key = key(&h.string(&b, "general.architecture").unwrap());
+    let mut raw = Vec::new();
+    raw.extend_from_slice(&(key.len() as u64).to_le_bytes());
+    raw.extend_from_slice(key.as_bytes());
+    raw.extend_from_slice(value);
+    assert!(h.kvs.iter().any(|kv| kv.key == key), "{} has no {key}", src.display());
+    let kvs: Vec<&[u8]> = h.kvs.iter().map(|kv| if kv.key == key { &raw[..] } else { &b[kv.raw.clone()] }).collect();
+    let (mut out, offsets) = encode_header(h.version, &kvs, &h.tensors, h.alignment);
+    let data_start = out.len();
+    for (t, off) in h.tensors.iter().zip(offsets) {
+        out.resize(data_start + off as usize, 0);
+        let from = (h.data_start + t.offset) as usize;
+        out.extend_from_slice(&b[from..from + t.nbytes() as usize]);
+    }
+    std::fs::write(dst, out).unwrap();
+}
+
+/// A string value's (type, value) bytes for [with_kv].
+pub fn gguf_string(s: &str) -> Vec<u8> {
+    let mut v = 8u32.to_le_bytes().to_vec();
+    v.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    v.extend_from_slice(s.as_bytes());
+    v
+}

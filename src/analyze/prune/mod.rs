@@ -225,7 +225,8 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         .uint(b, &count_key)
         .filter(|&n| n > 0)
         .ok_or_else(|| usage(format!("-m {model_arg}: no {count_key}: not a mixture-of-experts model")))?;
-    let n_used = h.uint(b, &format!("{arch}.expert_used_count")).unwrap_or(0);
+    // per layer on some models (an array): the largest is what every kept set must hold
+    let n_used = h.uints(b, &format!("{arch}.expert_used_count")).and_then(|v| v.into_iter().max()).unwrap_or(0);
     let groups = h.uint(b, &format!("{arch}.expert_group_count")).unwrap_or(0);
     let groups_used = h.uint(b, &format!("{arch}.expert_group_used_count")).unwrap_or(groups);
     if groups > 1 && groups_used < groups {
