@@ -486,9 +486,12 @@ impl Outputs<'_> {
     fn with_metadata(&self, ctx: &Context<'_, CalibrationObserver>, mut s: crate::formats::saliency::Saliency) -> crate::formats::saliency::Saliency {
         let wn = ctx.observer().reap.as_ref().and_then(|r| r.weights_node.clone());
         let gating = ctx.observer().reap.as_ref().and_then(|r| r.gating_op.clone());
+        let from_logits = ctx.observer().reap.as_ref().is_some_and(|r| r.probs_from_logits);
         let routing = json!({
             // the op of ffn_moe_probs: SOFT_MAX for softmax gating, UNARY for sigmoid, …
             "probs_op": gating,
+            // MUL_MAT/ADD: the graph's probs are the logits (gpt-oss); p is their softmax, taken here
+            "probs_from_logits": from_logits,
             "weights_node": wn,
             "normalised": wn.as_deref().is_some_and(is_normalised_node),
             "layers": s.layers.iter().map(|l| json!({"layer": l.layer, "n_expert": l.n_expert, "n_expert_used": l.n_expert_used})).collect::<Vec<_>>(),

@@ -32,6 +32,9 @@ pub struct ReapState {
     pub weights_node: Option<String>,
     /// the op that turns router logits into probabilities (SOFT_MAX, UNARY for sigmoid, …)
     pub gating_op: Option<String>,
+    /// `ffn_moe_probs` are the router's logits, turned into the softmax on the host
+    /// ([probs_are_logits])
+    pub probs_from_logits: bool,
     /// rows handed to the trace writer so far
     pub rows_handed: u64,
 }
@@ -294,7 +297,10 @@ impl CalibrationObserver {
                 let op = unsafe { std::ffi::CStr::from_ptr(sys::ggml_op_name(t.op)) };
                 r.gating_op = Some(op.to_string_lossy().into_owned());
             }
-            let on_device = self.router_read_on_device(node, t.ne[0]);
+            let logits = probs_are_logits(t.op);
+            r.probs_from_logits |= logits;
+            // the softmax is taken here, on the host, over the whole rows
+            let on_device = !logits && self.router_read_on_device(node, t.ne[0]);
             let r = self.reap.as_mut().unwrap();
             match r.sums.slot_for(block, t.ne[0] as usize, 0) {
                 Err(e) => Err(e),
@@ -305,7 +311,7 @@ impl CalibrationObserver {
                     self.probs_nodes[s] = node.as_ptr();
                     r.sums.on_probs_on_device(s, &t)
                 }
-                Ok(s) => r.sums.on_probs(s, &t, node.bytes(&mut self.scratch_a)),
+                Ok(s) => r.sums.on_probs(s, &t, node.bytes(&mut self.scratch_a), logits),
             }
         } else if let Some(block) = layer_of(name, SEL_PROBS) {
             let data = node.bytes(&mut self.scratch_a);
@@ -475,7 +481,7 @@ fn check_ubatch_tokens(batch: &BatchRows, u: usize, node: Node<'_>, scratch: &mu
 
 impl ReapState {
     pub fn new(trace: Option<TraceRows>) -> Self {
-        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, gating_op: None, rows_handed: 0 }
+        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, gating_op: None, probs_from_logits: false, rows_handed: 0 }
     }
 
     /// The trace header for what the graph has shown so far (0 rows, flags: normalised gating);
@@ -492,6 +498,14 @@ impl ReapState {
             flags: if normalised { crate::formats::trace::FLAG_NORMALISED } else { 0 },
         })
     }
+}
+
+/// Whether `ffn_moe_probs` is the router's logits themselves (llama.cpp's SOFTMAX_WEIGHT
+/// gating, gpt-oss: `probs = logits`, a MUL_MAT or, with the router's bias, an ADD; the gates
+/// are a softmax over the selected experts only). REAP's p, the router's softmax over all
+/// experts, is then taken from them on the host.
+pub fn probs_are_logits(op: sys::ggml_op) -> bool {
+    op == sys::GGML_OP_MUL_MAT || op == sys::GGML_OP_ADD
 }
 
 /// `ffn_moe_weighted-L`'s expert outputs and gates (src0, src1), where the architecture weights

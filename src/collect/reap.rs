@@ -256,8 +256,10 @@ impl ReapCollector {
         Ok(self.layers.len() - 1)
     }
 
-    /// `ffn_moe_probs-L`: `[n_expert, T]` f32.
-    pub fn on_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8]) -> Result<(), String> {
+    /// `ffn_moe_probs-L`: `[n_expert, T]` f32; with `logits` (the node is the router's logits,
+    /// see observer::probs_are_logits) each row is replaced by its softmax, in f64 from the
+    /// largest logit, so p is the router's softmax probability over all experts as elsewhere.
+    pub fn on_probs(&mut self, slot: usize, t: &TensorInfo, data: &[u8], logits: bool) -> Result<(), String> {
         let n_expert = self.layers[slot].n_expert;
         if t.ne[0] as usize != n_expert || t.ty != crate::llama::sys::GGML_TYPE_F32 {
             return Err(format!("{}: expected f32 [{n_expert}, T], got type {} {:?}", t.name, t.ty, t.ne));
@@ -274,6 +276,11 @@ impl ReapCollector {
                 r.probs.extend_from_slice(f32s(data, row, n_expert));
             } else {
                 r.probs.extend((0..n_expert).map(|e| read_f32(data, row + e * t.nb[0])));
+            }
+        }
+        if logits {
+            for row in r.probs.chunks_exact_mut(n_expert) {
+                softmax_in_place(row);
             }
         }
         Ok(())
@@ -798,6 +805,17 @@ impl DomainSplit {
     }
 }
 
+/// `row` ← softmax(row): exp(x − max) / Σ, in f64. A non-finite logit makes its row NaN, which
+/// the sums then leave out and count (as any non-finite probability).
+fn softmax_in_place(row: &mut [f32]) {
+    let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+    let exps: Vec<f64> = row.iter().map(|&x| (x as f64 - max).exp()).collect();
+    let sum: f64 = exps.iter().sum();
+    for (p, e) in row.iter_mut().zip(&exps) {
+        *p = if max.is_finite() { (e / sum) as f32 } else { f32::NAN };
+    }
+}
+
 fn read_f32(data: &[u8], off: usize) -> f32 {
     f32::from_ne_bytes(data[off..off + 4].try_into().unwrap())
 }
@@ -870,13 +888,35 @@ mod tests {
         assert!(c.on_topk(s, &info("ffn_moe_topk-0", [k as i64, t as i64, 1, 1], [4, 4 * k, 4 * k * t, 4 * k * t], sys::GGML_TYPE_I32), &ib(&bad)).is_err());
     }
 
+    /// Logits (gpt-oss's SOFTMAX_WEIGHT gating) become the softmax over all experts: rows that
+    /// differ by a constant (a router bias shifted) give the same p, within [0, 1], summing to 1.
+    #[test]
+    fn router_logits_are_turned_into_the_softmax_over_all_experts() {
+        let logits = [2.0f32, -1.0, 0.5, 3.0];
+        let shifted: Vec<f32> = logits.iter().map(|x| x - 20.0).collect();
+        let mut c = ReapCollector::new();
+        c.slot_for(0, 4, 2).unwrap();
+        let p_info = info("ffn_moe_probs-0", [4, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_F32);
+        c.on_probs(0, &p_info, &bytes_f32(&[logits.as_slice(), &shifted].concat()), true).unwrap();
+        let z: f64 = logits.iter().map(|&x| (x as f64).exp()).sum();
+        for (e, &x) in logits.iter().enumerate() {
+            let want = ((x as f64).exp() / z) as f32;
+            assert!((c.routing[0].probs[e] - want).abs() <= 1e-7, "expert {e}: {} vs {want}", c.routing[0].probs[e]);
+            assert!((c.routing[0].probs[4 + e] - want).abs() <= 1e-7, "shifted row, expert {e}");
+        }
+        assert!((c.routing[0].probs[..4].iter().map(|&p| p as f64).sum::<f64>() - 1.0).abs() < 1e-6);
+        // the graph's probabilities as they are: untouched
+        c.on_probs(0, &p_info, &bytes_f32(&[0.1, 0.2, 0.3, 0.4, 0.5, 0.25, 0.15, 0.1]), false).unwrap();
+        assert_eq!(c.routing[0].probs[..4], [0.1, 0.2, 0.3, 0.4]);
+    }
+
     #[test]
     fn sums_match_a_hand_computation() {
         let mut c = ReapCollector::new();
         assert_eq!(c.slot_for(1, 4, 2), Ok(0));
         assert_eq!(c.slot(1), Some(0));
         let probs = [0.1f32, 0.2, 0.3, 0.4, 0.5, 0.25, 0.15, 0.1];
-        c.on_probs(0, &info("ffn_moe_probs-1", [4, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_F32), &bytes_f32(&probs)).unwrap();
+        c.on_probs(0, &info("ffn_moe_probs-1", [4, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_F32), &bytes_f32(&probs), false).unwrap();
         // argsort storage [4, 2], topk view [2, 2] with nb1 = 16 bytes
         let ids: Vec<u8> = [3i32, 2, 1, 0, 0, 1, 2, 3].iter().flat_map(|x| x.to_ne_bytes()).collect();
         c.on_topk(0, &info("ffn_moe_topk-1", [2, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_I32), &ids).unwrap();
@@ -915,7 +955,7 @@ mod tests {
         let mut c = ReapCollector::new();
         c.slot_for(0, 3, 2).unwrap();
         let probs = [0.5f32, 0.3, 0.2, 0.6, 0.3, 0.1];
-        c.on_probs(0, &info("p", [3, 2, 1, 1], [4, 12, 24, 24], sys::GGML_TYPE_F32), &bytes_f32(&probs)).unwrap();
+        c.on_probs(0, &info("p", [3, 2, 1, 1], [4, 12, 24, 24], sys::GGML_TYPE_F32), &bytes_f32(&probs), false).unwrap();
         let ids: Vec<u8> = [0i32, 1, 1, 0].iter().flat_map(|x| x.to_ne_bytes()).collect();
         c.on_topk(0, &info("t", [2, 2, 1, 1], [4, 8, 16, 16], sys::GGML_TYPE_I32), &ids).unwrap();
         // f [n_embd 2, k 2, T 2] stored with nb0 = 8: the odd slots are filler
@@ -936,7 +976,7 @@ mod tests {
         // a negative one
         let mut c2 = ReapCollector::new();
         c2.slot_for(0, 2, 1).unwrap();
-        c2.on_probs(0, &info("p", [2, 1, 1, 1], [4, 8, 8, 8], sys::GGML_TYPE_F32), &bytes_f32(&[0.9, 0.1])).unwrap();
+        c2.on_probs(0, &info("p", [2, 1, 1, 1], [4, 8, 8, 8], sys::GGML_TYPE_F32), &bytes_f32(&[0.9, 0.1]), false).unwrap();
         c2.on_topk(0, &info("t", [1, 1, 1, 1], [4, 4, 4, 4], sys::GGML_TYPE_I32), &0i32.to_ne_bytes()).unwrap();
         c2.on_expert_out(0, &info("f", [2, 1, 1, 1], [4, 8, 8, 8], sys::GGML_TYPE_F32), &bytes_f32(&[-2.0, -0.75])).unwrap();
         c2.on_weighted(0, "f", &info("g", [1, 1, 1, 1], [4, 4, 4, 4], sys::GGML_TYPE_F32), &bytes_f32(&[1.0])).unwrap();
@@ -947,7 +987,7 @@ mod tests {
     fn a_non_finite_token_is_dropped_and_counted() {
         let mut c = ReapCollector::new();
         c.slot_for(0, 2, 1).unwrap();
-        c.on_probs(0, &info("p", [2, 2, 1, 1], [4, 8, 16, 16], sys::GGML_TYPE_F32), &bytes_f32(&[0.5, 0.5, 0.5, 0.5])).unwrap();
+        c.on_probs(0, &info("p", [2, 2, 1, 1], [4, 8, 16, 16], sys::GGML_TYPE_F32), &bytes_f32(&[0.5, 0.5, 0.5, 0.5]), false).unwrap();
         let ids: Vec<u8> = [0i32, 1].iter().flat_map(|x| x.to_ne_bytes()).collect();
         c.on_topk(0, &info("t", [1, 2, 1, 1], [4, 4, 8, 8], sys::GGML_TYPE_I32), &ids).unwrap();
         let f = [1.0f32, f32::NAN];
@@ -987,7 +1027,7 @@ mod tests {
         c.domains = Some(DomainSplit::new(vec!["a".into(), "b".into()]));
         c.domains.as_mut().unwrap().rows = vec![1, 0];
         c.slot_for(0, 4, 2).unwrap();
-        c.on_probs(0, &info("p", [4, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_F32), &bytes_f32(&[0.1, 0.2, 0.3, 0.4, 0.5, 0.25, 0.15, 0.1])).unwrap();
+        c.on_probs(0, &info("p", [4, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_F32), &bytes_f32(&[0.1, 0.2, 0.3, 0.4, 0.5, 0.25, 0.15, 0.1]), false).unwrap();
         let ids: Vec<u8> = [3i32, 2, 1, 0, 0, 1, 2, 3].iter().flat_map(|x| x.to_ne_bytes()).collect();
         c.on_topk(0, &info("t", [2, 2, 1, 1], [4, 16, 32, 32], sys::GGML_TYPE_I32), &ids).unwrap();
         let f = [3.0f32, 4.0, 0.0, 1.0, 6.0, 8.0, 1.0, 0.0];
@@ -1104,7 +1144,7 @@ mod tests {
 
         let mut host = ReapCollector::new();
         host.slot_for(0, 6, 0).unwrap();
-        host.on_probs(0, &pi, &bytes_f32(&probs)).unwrap();
+        host.on_probs(0, &pi, &bytes_f32(&probs), false).unwrap();
         host.on_topk(0, &ti, &ids).unwrap();
         host.on_expert_out(0, &fi, &bytes_f32(&f)).unwrap();
         host.on_weighted(0, "f", &gi, &bytes_f32(&g)).unwrap();

@@ -94,6 +94,9 @@ pub struct Routing {
     /// the node the applied gates came from, e.g. `ffn_moe_weights_norm-0 (reshaped)`
     pub weights_node: Option<String>,
     pub normalised: Option<bool>,
+    /// the graph's probabilities were the router's logits and p is their softmax, taken by the
+    /// collector (gpt-oss's gating)
+    pub probs_from_logits: Option<bool>,
 }
 
 /// Which weight the model multiplies an expert's output by.
@@ -109,7 +112,7 @@ pub enum AppliedGate {
 
 impl Routing {
     pub fn softmax(&self) -> Option<bool> {
-        self.probs_op.as_deref().map(|op| op == "SOFT_MAX")
+        self.probs_op.as_deref().map(|op| op == "SOFT_MAX" || self.probs_from_logits == Some(true))
     }
 
     pub fn applied_gate(&self) -> Option<AppliedGate> {
@@ -164,6 +167,7 @@ impl Saliency {
             probs_op: str_of("probs_op"),
             weights_node: str_of("weights_node"),
             normalised: r.and_then(|r| r.get("normalised")).and_then(Value::as_bool),
+            probs_from_logits: r.and_then(|r| r.get("probs_from_logits")).and_then(Value::as_bool),
         }
     }
 
