@@ -131,7 +131,7 @@ fn ubatch(c: &mut ReapCollector, trace: &mut TraceRows, layers: &[Layer], e: usi
         let s = c.slot_for(l, e, k).unwrap();
         let p = info("ffn_moe_probs", [ei, ti, 1, 1], f32t);
         if !device {
-            c.on_probs(s, &p, &d.probs).unwrap();
+            c.on_probs(s, &p, &d.probs, false).unwrap();
         } else {
             c.on_probs_on_device(s, &p).unwrap();
             if trace.limit > 0 {
