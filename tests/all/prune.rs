@@ -418,11 +418,16 @@ impl Refusal {
     /// Runs prune on the qwen3moe fixture with `map` and `extra`, expects exit 2 with
     /// `needle` in stderr and no output file.
     fn expect(&self, map: &Path, extra: &[&str], needle: &str) {
+        self.expect_on(&fixture("qwen3moe"), map, extra, needle)
+    }
+
+    /// [Refusal::expect] on another model.
+    fn expect_on(&self, model: &Path, map: &Path, extra: &[&str], needle: &str) {
         let out = run(Command::new(ours())
             .current_dir(&self.dir)
             .arg("prune")
             .arg("-m")
-            .arg(fixture("qwen3moe"))
+            .arg(model)
             .arg("--keep-map")
             .arg(map)
             .arg("-o")
@@ -508,11 +513,7 @@ fn prune_refuses_k_below_the_largest_per_layer_expert_used_count() {
     let r = Refusal::new("small-k-per-layer");
     let model = r.dir.join("per-layer-k.gguf");
     with_per_layer_k(&fixture("qwen3moe"), &model, &[4, 2, 6, 4]);
-    let map = r.map(map_json(&vec![vec![0, 1, 2, 3, 4]; 4]));
-    let out = run(Command::new(ours()).current_dir(&r.dir).arg("prune").arg("-m").arg(&model).arg("--keep-map").arg(&map).arg("-o").arg(&r.out));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("fewer than the 6 each token uses"), "{err}");
+    r.expect_on(&model, &r.map(map_json(&vec![vec![0, 1, 2, 3, 4]; 4])), &[], "fewer than the 6 each token uses");
 }
 
 #[test]
