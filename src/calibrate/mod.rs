@@ -580,9 +580,9 @@ impl Outputs<'_> {
 
 pub use crate::formats::domains::NO_DOMAIN;
 
-/// Whether the gate weights the graph applies come out of the top-k normalisation.
-fn is_normalised_node(name: &str) -> bool {
-    name.starts_with("ffn_moe_weights_norm")
+/// Whether the gate weights the graph applies sum to 1 over the top-k.
+pub fn is_normalised_node(name: &str) -> bool {
+    crate::formats::saliency::AppliedGate::of_node(name) == crate::formats::saliency::AppliedGate::Normalised
 }
 
 /// The model's parameters from the drop-in flags: `-ngl`, `-lm`, `--rpc` (shared with eval and

@@ -488,7 +488,7 @@ impl ReapState {
     /// None before the first MoE layer was seen or without a trace.
     pub fn trace_header(&self) -> Option<crate::formats::trace::TraceHeader> {
         let (t, first) = (self.trace.as_ref()?, self.sums.layers.first()?);
-        let normalised = self.weights_node.as_deref().is_some_and(|n| n.starts_with("ffn_moe_weights_norm"));
+        let normalised = self.weights_node.as_deref().is_some_and(super::is_normalised_node);
         Some(crate::formats::trace::TraceHeader {
             layers: self.sums.layers.iter().map(|l| l.layer).collect(),
             n_expert: first.n_expert as u32,

@@ -104,7 +104,8 @@ pub struct Routing {
 pub enum AppliedGate {
     /// `ffn_moe_weights-N`: the router probability p itself
     Probability,
-    /// `ffn_moe_weights_norm-N`: p / Σ over the token's picks of p
+    /// `ffn_moe_weights_norm-N`: p / Σ over the token's picks of p; or
+    /// `ffn_moe_weights_softmax-N` (gpt-oss): the softmax over the picks' logits, the same number
     Normalised,
     /// anything else (scaled, biased, another gating)
     Other,
@@ -116,14 +117,22 @@ impl Routing {
     }
 
     pub fn applied_gate(&self) -> Option<AppliedGate> {
+        Some(AppliedGate::of_node(self.weights_node.as_deref()?))
+    }
+}
+
+impl AppliedGate {
+    /// The gate a weights node (as the graph or `metadata.routing.weights_node` names it) gives.
+    pub fn of_node(node: &str) -> AppliedGate {
         // a node name, `-` and the block index, then ggml's view suffixes such as " (reshaped)"
-        let name = self.weights_node.as_deref()?.split(' ').next()?;
+        let name = node.split(' ').next().unwrap_or(node);
         let base = name.rsplit_once('-').map_or(name, |(b, _)| b);
-        Some(match base {
+        match base {
             "ffn_moe_weights" => AppliedGate::Probability,
-            "ffn_moe_weights_norm" => AppliedGate::Normalised,
+            // exp(l_e) / Σ over the picks of exp(l_j) = p_e / Σ over the picks of p_j
+            "ffn_moe_weights_norm" | "ffn_moe_weights_softmax" => AppliedGate::Normalised,
             _ => AppliedGate::Other,
-        })
+        }
     }
 }
 
@@ -419,6 +428,7 @@ mod tests {
         let gate = |n: &str| Routing { weights_node: Some(n.into()), ..Default::default() }.applied_gate();
         assert_eq!(gate("ffn_moe_weights-3"), Some(AppliedGate::Probability));
         assert_eq!(gate("ffn_moe_weights_norm-0 (reshaped)"), Some(AppliedGate::Normalised));
+        assert_eq!(gate("ffn_moe_weights_softmax-0"), Some(AppliedGate::Normalised));
         assert_eq!(gate("ffn_moe_weights_scaled-0"), Some(AppliedGate::Other));
         assert_eq!(Routing::default().applied_gate(), None);
     }

@@ -121,6 +121,15 @@ fn qwen2moe_c512_b512_is_byte_identical() {
     p.assert_same_ppl();
 }
 
+/// gpt-oss: biases on every projection, attention sinks, a 32-token sliding window in every
+/// other layer (so -c 256 reaches past it), the router's logits as the graph's probs.
+#[test]
+fn gpt_oss_is_byte_identical() {
+    let p = run_both("oss-c256", &fixture("gpt-oss"), "imatrix.gguf", &args(&["-c", "256", "-b", "256"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
 #[test]
 fn two_sequences_per_batch() {
     let p = run_both("q3-c256", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "512"]));

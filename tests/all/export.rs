@@ -1,4 +1,4 @@
-//! The REAP reference's terms (CONTRACT §6) on real calibration runs of both fixture archs:
+//! The REAP reference's terms (CONTRACT §6) on real calibration runs of every fixture arch:
 //! `export --format cerebras-reap` against the saliency JSON it came from, `scripts/to-reap-pt`
 //! (with a stand-in torch where PyTorch is missing), `select`'s softmax methods, `check` on
 //! tampered reference statistics, and bad inputs.
@@ -62,8 +62,8 @@ fn assert_export_matches(arch: &str, s: &Saliency, v: &Value, renormalized: bool
 }
 
 #[test]
-fn export_gives_the_saliency_sums_in_the_reference_terms_on_both_archs() {
-    for arch in ["qwen3moe", "qwen2moe"] {
+fn export_gives_the_saliency_sums_in_the_reference_terms_on_every_fixture_arch() {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss"] {
         let d = temp_dir(&format!("export-{arch}"));
         let sal = calibrated(&d, arch);
         let s = Saliency::read(&sal).unwrap();
@@ -75,8 +75,9 @@ fn export_gives_the_saliency_sums_in_the_reference_terms_on_both_archs() {
         assert_eq!(p["renormalize_router_weights"], false);
         assert_export_matches(arch, &s, &p, false);
         assert_export_matches(arch, &s, &g, true);
-        if arch == "qwen3moe" {
-            // top-k-normalised gates: the flag takes effect and the weighted sums move
+        if arch != "qwen2moe" {
+            // top-k-normalised gates (gpt-oss: the softmax over the picks' logits, the same
+            // number): the flag takes effect and the weighted sums move
             assert_eq!(g["renormalize_router_weights"], true);
             assert_ne!(p["layers"], g["layers"]);
         } else {

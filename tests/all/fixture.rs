@@ -4,8 +4,8 @@ use super::util::*;
 use std::process::Command;
 
 #[test]
-fn upstream_perplexity_runs_both_fixture_archs() {
-    for arch in ["qwen3moe", "qwen2moe"] {
+fn upstream_perplexity_runs_every_fixture_arch() {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss"] {
         let model = fixture(arch);
         let out = run_ok(Command::new(reference_bin("llama-perplexity")).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-c", "256", "--chunks", "3", "-t", "2"]));
         // llama-perplexity prints the final estimate through its logger (stderr)

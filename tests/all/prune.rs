@@ -13,6 +13,8 @@ use std::process::{Command, Output};
 /// MoE blocks, experts and experts used of the default fixtures (`util::fixture`).
 const BLOCKS: [u32; 4] = [0, 1, 2, 3];
 const N_EXPERT: u16 = 32;
+/// The fixture architectures; gpt-oss adds per-expert biases and a router bias to slice.
+const ARCHS: [&str; 3] = ["qwen3moe", "qwen2moe", "gpt-oss"];
 
 fn prune(args: &[&std::ffi::OsStr]) -> Output {
     run(Command::new(ours()).arg("prune").args(args))
@@ -90,7 +92,7 @@ fn keep_all() -> Vec<Vec<u16>> {
 
 #[test]
 fn a_keep_all_map_reproduces_the_model_and_imatrix_byte_for_byte() {
-    for arch in ["qwen3moe", "qwen2moe"] {
+    for arch in ARCHS {
         let d = temp_dir(&format!("prune-keepall-{arch}"));
         calibrate(&d, &fixture(arch));
         let map = write_map(&d.join("all.json"), map_json(&keep_all()));
@@ -239,7 +241,7 @@ fn experts_are_sliced_along_the_outermost_axis_even_when_sizes_coincide() {
 /// are the kept experts' columns of the original.
 #[test]
 fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
-    for arch in ["qwen3moe", "qwen2moe"] {
+    for arch in ARCHS {
         let d = temp_dir(&format!("prune-quantize-{arch}"));
         calibrate(&d, &fixture(arch));
         let keep: Vec<Vec<u16>> = BLOCKS.iter().map(|&b| vec![0, 3, 4, 9, 17, 30 - b as u16]).collect();
@@ -310,7 +312,7 @@ fn close(a: f64, b: f64, rel: f64) -> bool {
 /// same experts for every token whose top-k were all kept.
 #[test]
 fn kept_experts_route_and_compute_as_in_the_original() {
-    for arch in ["qwen3moe", "qwen2moe"] {
+    for arch in ARCHS {
         let d = temp_dir(&format!("prune-routing-{arch}"));
         let model = fixture(arch);
         let orig = d.join("orig");

@@ -18,8 +18,8 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 }
 
 #[test]
-fn check_passes_on_both_archs_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe"] {
+fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         calibrate(&d, &fixture(arch), &["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"]);
         let out = check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]);
@@ -33,8 +33,11 @@ fn check_passes_on_both_archs_with_imatrix_and_trace() {
         // the fixture's dead experts are dead here too, and only they
         let dead: usize = s.layers.iter().map(|l| l.count.iter().filter(|&&c| c == 0).count()).sum();
         assert_eq!(dead, 4 * s.layers.len(), "{arch}: each layer has exactly the fixture's 4 dead experts");
-        if arch == "qwen3moe" {
-            assert!(text.contains("normalised gating"), "{text}");
+        // gpt-oss: the graph's probs are logits; p and the sums from the softmax taken here
+        assert_eq!(s.routing().probs_from_logits, Some(arch == "gpt-oss"), "{arch}");
+        if arch != "qwen2moe" {
+            // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
+            assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
         } else {
             assert!(!text.contains("(normalised gating)"), "qwen2moe does not normalise its top-k weights:\n{text}");
         }
@@ -232,14 +235,31 @@ fn dot_row(w: &[f32], cols: usize, rows: usize, e: usize, r: usize, x: &[f64]) -
     row.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum()
 }
 
+/// An f32 tensor of a GGUF file, or None where the model has no tensor of that name.
+fn gguf_f32_opt(path: &Path, name: &str) -> Option<Vec<f32>> {
+    let fname = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    let tname = std::ffi::CString::new(name).unwrap();
+    unsafe {
+        let g = sys::gguf_init_from_file(fname.as_ptr(), sys::gguf_init_params { no_alloc: true, ctx: std::ptr::null_mut() });
+        assert!(!g.is_null());
+        let found = sys::gguf_find_tensor(g, tname.as_ptr()) >= 0;
+        sys::gguf_free(g);
+        found.then(|| gguf_f32(path, name).0)
+    }
+}
+
 #[test]
 fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // qwen3moe renormalises the top-k gate weights; qwen2moe multiplies by the raw softmax
     independent_computation("qwen3moe", true);
     independent_computation("qwen2moe", false);
+    // gpt-oss: the graph's probs are the biased logits, the gates the softmax over the picks'
+    // logits (= the renormalised softmax); biases on every projection, the clamped SwiGLU
+    independent_computation("gpt-oss", true);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
+    let gpt_oss = arch == "gpt-oss";
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
     let d = temp_dir(&format!("reap-independent-{arch}"));
     let model_path = d.join("m.gguf");
@@ -275,15 +295,20 @@ fn independent_computation(arch: &str, normalised: bool) {
     let (up, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight"));
     let (down, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_down_exps.weight"));
     let n_ff = gne[1] as usize;
+    let bias = |t: &str| gguf_f32_opt(&model_path, &format!("blk.{block}.{t}.bias"));
+    let (router_b, gate_b, up_b, down_b) = (bias("ffn_gate_inp"), bias("ffn_gate_exps"), bias("ffn_up_exps"), bias("ffn_down_exps"));
+    assert_eq!(router_b.is_some() && gate_b.is_some() && up_b.is_some() && down_b.is_some(), gpt_oss, "{arch}: expert biases");
+    let b_at = |b: &Option<Vec<f32>>, i: usize| b.as_ref().map_or(0.0, |b| b[i] as f64);
 
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
     // the REAP reference's weighting: the softmax probability p, not the applied gate
     let (mut reap_p, mut reap_p_sq, mut max_act) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![f64::NEG_INFINITY; n_expert]);
+    let mut router_p = vec![0f64; n_expert];
     for t in 0..n_ctx {
         let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
         // softmax router, top-k, renormalised or not
-        let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
+        let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x) + b_at(&router_b, e)).collect();
         let m = logits.iter().cloned().fold(f64::MIN, f64::max);
         let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
         let probs: Vec<f64> = logits.iter().map(|l| (l - m).exp() / z).collect();
@@ -301,17 +326,24 @@ fn independent_computation(arch: &str, normalised: bool) {
             let g = probs[e] / wsum;
             let h: Vec<f64> = (0..n_ff)
                 .map(|i| {
-                    let a = dot_row(&gate, n_embd, n_ff, e, i, &x);
-                    let b = dot_row(&up, n_embd, n_ff, e, i, &x);
-                    a / (1.0 + (-a).exp()) * b
+                    let a = dot_row(&gate, n_embd, n_ff, e, i, &x) + b_at(&gate_b, e * n_ff + i);
+                    let b = dot_row(&up, n_embd, n_ff, e, i, &x) + b_at(&up_b, e * n_ff + i);
+                    if gpt_oss {
+                        // gpt-oss's clamped SwiGLU (alpha 1.702, limit 7)
+                        let (a, b) = (a.min(7.0), b.clamp(-7.0, 7.0));
+                        a / (1.0 + (-1.702 * a).exp()) * (b + 1.0)
+                    } else {
+                        a / (1.0 + (-a).exp()) * b
+                    }
                 })
                 .collect();
-            let f: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h)).collect();
+            let f: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h) + b_at(&down_b, e * n_embd + o)).collect();
             let norm = f.iter().map(|v| v * v).sum::<f64>().sqrt();
             count[e] += 1;
             reap[e] += g * norm;
             ean[e] += norm;
             prob[e] += g;
+            router_p[e] += probs[e];
             reap_p[e] += probs[e] * norm;
             reap_p_sq[e] += (probs[e] * norm).powi(2);
             max_act[e] = f.iter().copied().fold(max_act[e], f64::max);
@@ -327,7 +359,11 @@ fn independent_computation(arch: &str, normalised: bool) {
         assert!(rel(reap[e], lay.reap_l2_sum[e]) < 1e-5, "{arch} expert {e}: reap_l2_sum {} vs independent {}", lay.reap_l2_sum[e], reap[e]);
         assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "{arch} expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
         assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "{arch} expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
+        // p is the softmax over every expert's logit, whatever the graph calls its probs
+        assert!(rel(router_p[e], lay.router_prob_sum[e]) < 1e-5, "{arch} expert {e}: router_prob_sum {} vs independent {}", lay.router_prob_sum[e], router_p[e]);
     }
+    assert_eq!(s.routing().probs_from_logits, Some(gpt_oss), "{arch}: metadata.routing.probs_from_logits");
+    assert_eq!(s.routing().normalised, Some(normalised), "{arch}: metadata.routing.normalised");
 
     // the reference's statistics: Σ p·‖f‖, Σ (p·‖f‖)², the largest element of f
     let r = lay.reference.as_ref().expect("a fresh run writes reap_softmax_l2_sum and max_activation");
@@ -369,7 +405,8 @@ fn independent_computation(arch: &str, normalised: bool) {
 #[test]
 fn device_expert_stats_equal_the_host_computation_to_rounding() {
     let server = RpcServer::start();
-    for (key, model) in [("one-pass", fixture("qwen3moe")), ("two-pass", fixture_with("n-embd-192", &["--n-embd", "192"]))] {
+    // gpt-oss: the statistics are of the biased outputs (ffn_moe_down_biased), on both paths
+    for (key, model) in [("one-pass", fixture("qwen3moe")), ("two-pass", fixture_with("n-embd-192", &["--n-embd", "192"])), ("gpt-oss", fixture("gpt-oss"))] {
         device_expert_stats_match(&server, key, &model);
     }
 }
