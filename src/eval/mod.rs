@@ -36,6 +36,9 @@ pub struct EvalArgs {
     /// Keep maps (from `select`): each is pruned from --base into the scratch folder, then evaluated
     #[arg(long = "keep-map", value_name = "MAP.json[,MAP2.json…]", value_delimiter = ',')]
     pub keep_maps: Vec<PathBuf>,
+    /// With --keep-map: prune with `--drop-nextn` (leave a nextn/MTP block out; see `prune --help`)
+    #[arg(long = "drop-nextn", requires = "keep_maps")]
+    pub drop_nextn: bool,
     /// The evaluation text (as llama-perplexity -f reads it)
     #[arg(short = 'f', long = "file", value_name = "TEXT")]
     pub file: PathBuf,
@@ -264,7 +267,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
 
     let scratch = Scratch::new(args.scratch.as_deref())?;
     let maps: Vec<&Path> = args.keep_maps.iter().map(PathBuf::as_path).collect();
-    prune::check_maps(&scratch.0, &args.base, &maps)?;
+    prune::check_maps(&scratch.0, &args.base, &maps, args.drop_nextn)?;
     let base_file = args.base_logits.clone().unwrap_or_else(|| scratch.0.join("base.logits"));
     // in the scratch folder (no --base-logits) the base file goes with it, on a signal too
     let _base_on_signal = args.base_logits.is_none().then(|| crate::interrupt::remove_on_signal(&base_file));
@@ -305,7 +308,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         let (path, pruned) = match c {
             Candidate::Model(p) => (p.clone(), None),
             Candidate::KeepMap(m) => {
-                let out = prune::prune_into(&scratch.0, &args.base, m, i)?;
+                let out = prune::prune_into(&scratch.0, &args.base, m, i, args.drop_nextn)?;
                 (out.clone(), Some((crate::interrupt::remove_on_signal(&out), out)))
             }
         };

@@ -130,6 +130,15 @@ fn gpt_oss_is_byte_identical() {
     p.assert_same_ppl();
 }
 
+/// glm4moe: a sigmoid router with a selection bias, renormalised gates, a shared expert, a dense
+/// block 0, and a nextn/MTP block llama.cpp loads and never runs.
+#[test]
+fn glm4moe_is_byte_identical() {
+    let p = run_both("glm-c256", &fixture("glm4moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "256"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
 #[test]
 fn two_sequences_per_batch() {
     let p = run_both("q3-c256", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "512"]));

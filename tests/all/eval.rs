@@ -373,3 +373,28 @@ fn eval_offloads_through_rpc_with_figures_equal_to_rounding() {
     let (a, b) = (off["models"][0]["top1_agree"].as_f64().unwrap(), cpu["models"][0]["top1_agree"].as_f64().unwrap());
     assert!((a - b).abs() <= 2.0 / 252.0 + 1e-12, "top1_agree: {a} over RPC, {b} on the CPU");
 }
+
+/// `eval --keep-map --drop-nextn` prunes as `prune --drop-nextn` does: select's map of the
+/// glm4moe fixture (blocks 1–3, no entry for the nextn block 4) is refused without the flag,
+/// before any pass, and evaluated with it; keeping every live expert, the trunk's logits are
+/// the base's (top-1 agreement 100%, KLD only the rounding of the base's stored log-probs, as in
+/// llama-perplexity's base file).
+#[test]
+fn eval_keep_map_with_drop_nextn() {
+    let d = temp_dir("eval-drop-nextn");
+    let base = d.join("glm.gguf");
+    std::fs::copy(fixture("glm4moe"), &base).unwrap();
+    run_ok(Command::new(ours()).arg("-m").arg(&base).arg("-f").arg(corpus()).args(["-c", "128", "--chunks", "4", "-t", "2", "--no-ppl", "-o"]).arg(d.join("imatrix.gguf")));
+    run_ok(Command::new(ours()).args(["select", "--reap"]).arg(d.join("imatrix.reap.json")).args(["--method", "reap_mean", "--k", "28", "--out-dir"]).arg(d.join("keep")));
+    let map = d.join("keep/keep_reap_mean_k28.json");
+    let out = run(&mut eval_cmd(&d, &base, &["--keep-map", map.to_str().unwrap()]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--drop-nextn") && !err.contains("base: "), "{err}");
+    let json = d.join("e.json");
+    run_ok(&mut eval_cmd(&d, &base, &["--keep-map", map.to_str().unwrap(), "--drop-nextn", "--json", json.to_str().unwrap()]));
+    let v: Value = serde_json::from_slice(&read(&json)).unwrap();
+    let m = &v["models"][0];
+    assert_eq!(m["top1_agree"].as_f64(), Some(1.0), "{m}");
+    assert!(m["kld_mean"].as_f64().unwrap() < 1e-5 && m["kld_max"].as_f64().unwrap() < 1e-4, "{m}");
+}

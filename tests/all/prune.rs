@@ -625,3 +625,65 @@ fn dry_run_checks_everything_and_writes_nothing() {
     keep[2][5] = 32;
     r.expect(&r.map(map_json(&keep)), &["--dry-run"], "layer 2: expert id 32 is out of range");
 }
+
+/// glm4moe's nextn/MTP block (4): calibration never runs it, so select's map covers blocks 1–3.
+/// Without --drop-nextn prune refuses the map, naming the block and both ways on, and writes
+/// nothing. With it the output has no blk.4 tensor and every key as before but expert_count,
+/// loads in upstream llama-perplexity with the original's PPL (all live experts kept), and its
+/// sliced imatrix goes through llama-quantize. A hand-made entry for block 4 prunes that block
+/// too (or, with --drop-nextn, goes with it); a model without a nextn block refuses the flag.
+#[test]
+fn a_nextn_block_is_dropped_on_request_or_pruned_by_a_hand_made_entry() {
+    let d = temp_dir("prune-nextn");
+    let model = fixture("glm4moe");
+    calibrate(&d, &model);
+    run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "imatrix.reap.json", "--method", "reap_mean", "--k", "28", "--out-dir", "maps"]));
+    let map = d.join("maps/keep_reap_mean_k28.json");
+    let out = d.join("p.gguf");
+
+    let refused = prune(&["-m".as_ref(), model.as_os_str(), "--keep-map".as_ref(), map.as_os_str(), "-o".as_ref(), out.as_os_str()]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{err}");
+    assert!(err.contains("nextn/MTP block [4]") && err.contains("--drop-nextn") && err.contains("{\"layer\": 4"), "{err}");
+    assert!(!out.exists());
+
+    prune_ok(&model, &map, &out, &["--drop-nextn", "--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"]);
+    let (a, b) = (read(&model), read(&out));
+    let (ha, hb) = (Header::parse(&a).unwrap(), Header::parse(&b).unwrap());
+    let in_block4 = |h: &Header| h.tensors.iter().filter(|t| t.name.starts_with("blk.4.")).count();
+    assert!(in_block4(&ha) > 0 && ha.tensors.iter().any(|t| t.name == "blk.4.nextn.eh_proj.weight"));
+    assert_eq!((in_block4(&hb), hb.tensors.len()), (0, ha.tensors.len() - in_block4(&ha)));
+    assert_eq!(ha.kvs.iter().map(|k| &k.key).collect::<Vec<_>>(), hb.kvs.iter().map(|k| &k.key).collect::<Vec<_>>());
+    for kv in &ha.kvs {
+        if kv.key != "glm4moe.expert_count" {
+            assert_eq!(&a[kv.raw.clone()], &b[hb.kv(&kv.key).unwrap().raw.clone()], "{}", kv.key);
+        }
+    }
+    assert_eq!(hb.uint(&b, "glm4moe.expert_count"), Some(28));
+    assert_eq!((hb.uint(&b, "glm4moe.block_count"), hb.uint(&b, "glm4moe.nextn_predict_layers")), (Some(5), Some(1)));
+    // every live expert kept: the trunk computes as before
+    assert_eq!(upstream_ppl(&out), upstream_ppl(&model));
+    let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "p.imatrix.gguf", "p.gguf", "p.q4_0.gguf", "Q4_0"]));
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    assert!(upstream_ppl(&d.join("p.q4_0.gguf")).is_finite());
+
+    // a hand-made entry for block 4
+    let mut v: Value = serde_json::from_slice(&read(&map)).unwrap();
+    v["layers"].as_array_mut().unwrap().push(json!({"layer": 4, "keep": (0..28).collect::<Vec<u16>>()}));
+    let hand = write_map(&d.join("hand.json"), v);
+    prune_ok(&model, &hand, &d.join("h.gguf"), &[]);
+    let h = read(&d.join("h.gguf"));
+    let hh = Header::parse(&h).unwrap();
+    assert_eq!(hh.tensors.iter().find(|t| t.name == "blk.4.ffn_down_exps.weight").map(|t| t.ne[2]), Some(28));
+    assert!(hh.tensors.iter().any(|t| t.name == "blk.4.nextn.eh_proj.weight"));
+    assert!(upstream_ppl(&d.join("h.gguf")).is_finite());
+    prune_ok(&model, &hand, &d.join("h2.gguf"), &["--drop-nextn"]);
+    assert_same_bytes(&out, &d.join("h2.gguf"));
+
+    let plain = d.join("plain.json");
+    write_map(&plain, map_json(&keep_all()));
+    let r = prune(&["-m".as_ref(), fixture("qwen3moe").as_os_str(), "--keep-map".as_ref(), plain.as_os_str(), "-o".as_ref(), d.join("q.gguf").as_os_str(), "--drop-nextn".as_ref()]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(err.contains("has no nextn/MTP block") && !d.join("q.gguf").exists(), "{err}");
+}

@@ -19,7 +19,7 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         calibrate(&d, &fixture(arch), &["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"]);
         let out = check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]);
@@ -35,6 +35,10 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         assert_eq!(dead, 4 * s.layers.len(), "{arch}: each layer has exactly the fixture's 4 dead experts");
         // gpt-oss: the graph's probs are logits; p and the sums from the softmax taken here
         assert_eq!(s.routing().probs_from_logits, Some(arch == "gpt-oss"), "{arch}");
+        // glm4moe: blocks 1–3 (0 is dense; the nextn block 4 is never run); sigmoid router
+        let blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
+        assert_eq!(blocks, if arch == "glm4moe" { vec![1, 2, 3] } else { vec![0, 1, 2, 3] }, "{arch}");
+        assert_eq!(s.routing().softmax(), Some(arch != "glm4moe"), "{arch}");
         if arch != "qwen2moe" {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
@@ -256,10 +260,13 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // gpt-oss: the graph's probs are the biased logits, the gates the softmax over the picks'
     // logits (= the renormalised softmax); biases on every projection, the clamped SwiGLU
     independent_computation("gpt-oss", true);
+    // glm4moe: p = sigmoid(logit), the choice by p + exp_probs_b, g = p / Σ over the picks of p
+    independent_computation("glm4moe", true);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
     let gpt_oss = arch == "gpt-oss";
+    let sigmoid = arch == "glm4moe";
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
     let d = temp_dir(&format!("reap-independent-{arch}"));
     let model_path = d.join("m.gguf");
@@ -299,6 +306,9 @@ fn independent_computation(arch: &str, normalised: bool) {
     let (router_b, gate_b, up_b, down_b) = (bias("ffn_gate_inp"), bias("ffn_gate_exps"), bias("ffn_up_exps"), bias("ffn_down_exps"));
     assert_eq!(router_b.is_some() && gate_b.is_some() && up_b.is_some() && down_b.is_some(), gpt_oss, "{arch}: expert biases");
     let b_at = |b: &Option<Vec<f32>>, i: usize| b.as_ref().map_or(0.0, |b| b[i] as f64);
+    // the selection bias (glm4moe): moves the choice, not p
+    let select_b = gguf_f32_opt(&model_path, &format!("blk.{block}.exp_probs_b.bias"));
+    assert_eq!(select_b.is_some(), sigmoid, "{arch}: exp_probs_b");
 
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
@@ -311,9 +321,11 @@ fn independent_computation(arch: &str, normalised: bool) {
         let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x) + b_at(&router_b, e)).collect();
         let m = logits.iter().cloned().fold(f64::MIN, f64::max);
         let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
-        let probs: Vec<f64> = logits.iter().map(|l| (l - m).exp() / z).collect();
+        let probs: Vec<f64> =
+            if sigmoid { logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect() } else { logits.iter().map(|l| (l - m).exp() / z).collect() };
+        let choice: Vec<f64> = (0..n_expert).map(|e| probs[e] + b_at(&select_b, e)).collect();
         let mut order: Vec<usize> = (0..n_expert).collect();
-        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]));
         let sel = &order[..k];
         // the graph's own choice agrees (read from the trace)
         let mut from_trace: Vec<usize> = trace.row(t as u64).sel_ids(li).iter().map(|&e| e as usize).collect();
@@ -363,6 +375,7 @@ fn independent_computation(arch: &str, normalised: bool) {
         assert!(rel(router_p[e], lay.router_prob_sum[e]) < 1e-5, "{arch} expert {e}: router_prob_sum {} vs independent {}", lay.router_prob_sum[e], router_p[e]);
     }
     assert_eq!(s.routing().probs_from_logits, Some(gpt_oss), "{arch}: metadata.routing.probs_from_logits");
+    assert_eq!(s.routing().probs_op.as_deref() == Some("SOFT_MAX"), !gpt_oss && !sigmoid, "{arch}: metadata.routing.probs_op");
     assert_eq!(s.routing().normalised, Some(normalised), "{arch}: metadata.routing.normalised");
 
     // the reference's statistics: Σ p·‖f‖, Σ (p·‖f‖)², the largest element of f

@@ -41,6 +41,12 @@ pub struct PruneArgs {
     /// Check the model, the map, the imatrix and the outputs as a run would, and write nothing
     #[arg(long = "dry-run")]
     pub dry_run: bool,
+    /// Leave the model's nextn/MTP blocks out (GLM-4.5/4.6, DeepSeek-V3: `nextn_predict_layers`):
+    /// calibration never runs them, so select's maps have no entry for them. The output is a
+    /// trunk-only GGUF (every other key unchanged), which llama.cpp loads since its MTP support;
+    /// speculative decoding then needs a separate MTP GGUF
+    #[arg(long = "drop-nextn")]
+    pub drop_nextn: bool,
 }
 
 /// What to prune: the library entry point's input (`eval --keep-map` prunes through it).
@@ -55,6 +61,8 @@ pub struct PruneOptions {
     pub force: bool,
     /// every check, nothing written (`bytes_out` 0)
     pub dry_run: bool,
+    /// leave the nextn/MTP blocks out (`--drop-nextn`)
+    pub drop_nextn: bool,
 }
 
 /// What was written.
@@ -74,6 +82,9 @@ pub struct PruneReport {
     pub bytes_out: u64,
     /// per-expert imatrix entries sliced (`in_sum2` and `counts` each count), with --imatrix
     pub imatrix_entries_sliced: Option<usize>,
+    /// nextn/MTP blocks left out (`--drop-nextn`), and the model tensors they held
+    pub nextn_dropped: Vec<u32>,
+    pub tensors_dropped: usize,
 }
 
 fn usage(msg: String) -> anyhow::Error {
@@ -88,10 +99,14 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
         imatrix: args.imatrix.clone().zip(args.imatrix_out.clone()),
         force: args.force,
         dry_run: args.dry_run,
+        drop_nextn: args.drop_nextn,
     };
     let t0 = std::time::Instant::now();
     let r = prune_model(&opts)?;
-    let shape = format!("{} MoE layers, {} → {} experts", r.moe_layers.len(), r.n_expert, r.k);
+    let mut shape = format!("{} MoE layers, {} → {} experts", r.moe_layers.len(), r.n_expert, r.k);
+    if !r.nextn_dropped.is_empty() {
+        shape += &format!("; nextn block {:?} left out ({} tensors)", r.nextn_dropped, r.tensors_dropped);
+    }
     if args.dry_run {
         println!(
             "prune: --dry-run: {} ({}) fits the map: {shape}, {} of {} tensors to slice; nothing written",
@@ -234,10 +249,32 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
             "-m {model_arg}: routes within {groups} expert groups ({groups_used} used per token); pruning would move experts between groups, which prune does not support"
         )));
     }
-    let blocks = plan::moe_blocks(h);
+    let nextn = plan::nextn_blocks(h, b, &arch);
+    let dropped: Vec<u32> = if opts.drop_nextn { nextn.clone() } else { Vec::new() };
+    if opts.drop_nextn && nextn.is_empty() {
+        return Err(usage(format!("--drop-nextn: -m {model_arg} has no nextn/MTP block (no {arch}.nextn_predict_layers)")));
+    }
+    let kept_tensor = |name: &str| plan::block_of(name).is_none_or(|n| !dropped.contains(&n));
+    let blocks: Vec<u32> = plan::moe_blocks(h).into_iter().filter(|b| !dropped.contains(b)).collect();
     if blocks.is_empty() {
         return Err(usage(format!("-m {model_arg}: no MoE layer (no blk.N.ffn_gate_inp.weight)")));
     }
+    // a map from select covers the trunk only: the nextn blocks are never run
+    let nextn_moe: Vec<u32> = blocks.iter().copied().filter(|b| nextn.contains(b)).collect();
+    let map_blocks: Vec<u32> = map.layers.iter().filter_map(|l| l.layer).collect();
+    let trunk: Vec<u32> = blocks.iter().copied().filter(|b| !nextn.contains(b)).collect();
+    if !nextn_moe.is_empty() && map.layers.len() == trunk.len() && (map_blocks.is_empty() || map_blocks == trunk) {
+        return Err(usage(format!(
+            "--keep-map {}: no entry for the model's nextn/MTP block {nextn_moe:?} (calibration never runs it, so select's maps cover \
+             the trunk {trunk:?} only): pass --drop-nextn to leave the block out (a trunk-only model), or add \
+             {{\"layer\": {}, \"keep\": [...]}} to the map to prune its experts too",
+            opts.keep_map.display(),
+            nextn_moe[0]
+        )));
+    }
+    let mut map = map;
+    // with --drop-nextn, a hand-made entry for a dropped block goes with it
+    map.layers.retain(|l| l.layer.is_none_or(|n| !dropped.contains(&n)));
     let keep = check_map(&map, &opts.keep_map, &blocks, n_expert, n_used)?;
     let k = keep[0].len();
     if let Some(want) = map.model.as_ref().and_then(|m| m.sha256.as_deref()) {
@@ -250,7 +287,11 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
             )));
         }
     }
-    let steps = plan::plan(h, plan::model_per_expert, &blocks, k, n_expert).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
+    let per_expert = |name: &str| if kept_tensor(name) { plan::model_per_expert(name) } else { Ok(None) };
+    let mut steps = plan::plan(h, per_expert, &blocks, k, n_expert).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
+    let tensors_dropped = steps.len();
+    steps.retain(|s| kept_tensor(&s.src.name));
+    let tensors_dropped = tensors_dropped - steps.len();
     let count_kv = h.kv(&count_key).unwrap();
     let new_count = Header::encode_uint(count_kv, k as u64).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
     let kvs: Vec<&[u8]> = h.kvs.iter().map(|kv| if kv.key == count_key { &new_count[..] } else { &b[kv.raw.clone()] }).collect();
@@ -273,8 +314,10 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
             if im.header.string(&im.map, "general.type").as_deref() != Some("imatrix") {
                 return Err(usage(format!("--imatrix {}: not an imatrix (general.type is not \"imatrix\")", path.display())));
             }
-            let steps = plan::plan(&im.header, plan::imatrix_per_expert, &blocks, k, n_expert)
+            let per_expert = |name: &str| if kept_tensor(name) { plan::imatrix_per_expert(name) } else { Ok(None) };
+            let mut steps = plan::plan(&im.header, per_expert, &blocks, k, n_expert)
                 .map_err(|e| usage(format!("--imatrix {}: {e} (an imatrix of another model?)", path.display())))?;
+            steps.retain(|s| kept_tensor(&s.src.name));
             plan::imatrix_fits(&im.header, h).map_err(|e| usage(format!("--imatrix {}: {e} (an imatrix of another model?)", path.display())))?;
             Some((im, steps, out))
         }
@@ -291,6 +334,8 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         bytes_in: src.map.len() as u64,
         bytes_out,
         imatrix_entries_sliced,
+        nextn_dropped: dropped.clone(),
+        tensors_dropped,
     };
     if opts.dry_run {
         return Ok(report(0));

@@ -32,6 +32,18 @@ fn split_block(name: &str) -> Option<(u32, &str, &str)> {
     Some((n.parse().ok()?, base, rest))
 }
 
+/// The block a tensor belongs to (`blk.N.…`), if any.
+pub fn block_of(name: &str) -> Option<u32> {
+    name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
+}
+
+/// The nextn/MTP blocks of a model: the last `{arch}.nextn_predict_layers` of `block_count`.
+pub fn nextn_blocks(h: &Header, bytes: &[u8], arch: &str) -> Vec<u32> {
+    let n = h.uint(bytes, &format!("{arch}.nextn_predict_layers")).unwrap_or(0);
+    let total = h.uint(bytes, &format!("{arch}.block_count")).unwrap_or(0);
+    (total.saturating_sub(n)..total).map(|b| b as u32).collect()
+}
+
 /// The block of a model tensor that holds one slice per expert. An unknown `*_exps` tensor is
 /// an error: copying it whole would leave a model llama.cpp cannot load, or loads wrongly.
 pub fn model_per_expert(name: &str) -> Result<Option<u32>, String> {
