@@ -72,7 +72,8 @@ pub fn name(sig: i32) -> String {
 
 /// Paths to remove if a signal ends the process: fixed slots, so the handler reads only
 /// static memory. A slot is FREE, being FILLED by its owner, or ARMED (the handler may read it).
-const SLOTS: usize = 16;
+/// (128: `reproduce` registers every output of a run, `--save-frequency` snapshots included)
+const SLOTS: usize = 128;
 const PATH_BYTES: usize = 4096;
 const FREE: u8 = 0;
 const FILLED: u8 = 1;
@@ -114,6 +115,13 @@ pub fn remove_on_signal(path: &Path) -> RemoveOnSignal {
         }
     }
     RemoveOnSignal(None)
+}
+
+impl RemoveOnSignal {
+    /// Whether the path got a slot (a signal will remove it).
+    pub fn armed(&self) -> bool {
+        self.0.is_some()
+    }
 }
 
 impl Drop for RemoveOnSignal {

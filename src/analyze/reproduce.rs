@@ -30,10 +30,32 @@ const OUTPUT_FLAGS: &[(&str, &str)] = &[
     ("--manifest-out", "manifest"),
 ];
 
-/// The recorded argv with each output redirected into `dir` (same file name), and a manifest
-/// path added if none was given. Returns the new argv.
-pub fn redirect_outputs(argv: &[String], dir: &Path) -> Vec<String> {
-    let to_dir = |v: &str| dir.join(Path::new(v).file_name().unwrap_or_default()).to_string_lossy().into_owned();
+/// Where the re-run writes what the recorded run wrote at `path`: the same path under `dir`
+/// (an absolute one without its root, `..` as `up`), so two outputs never meet in one file.
+pub fn redirected(dir: &Path, path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out = dir.to_path_buf();
+    for c in path.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::ParentDir => out.push("up"),
+            Component::RootDir | Component::Prefix(_) | Component::CurDir => {}
+        }
+    }
+    out
+}
+
+/// The recorded argv with each output redirected into `dir` ([redirected]), and a manifest
+/// path added if none was given. A device the run wrote in place (`-o /dev/null`) is left as it
+/// is: it holds nothing to compare. Returns the new argv.
+pub fn redirect_outputs(argv: &[String], dir: &Path, cwd: &Path) -> Vec<String> {
+    let to_dir = |v: &str| {
+        let full = cwd.join(v);
+        if crate::formats::atomic::in_place(&full) {
+            return v.to_string();
+        }
+        redirected(dir, Path::new(v)).to_string_lossy().into_owned()
+    };
     let mut out = Vec::with_capacity(argv.len() + 2);
     let mut i = 0;
     let mut saw_output = false;
@@ -140,17 +162,57 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
         Some(d) => std::path::absolute(d).with_context(|| format!("--work-dir {}", d.display()))?,
         None => std::env::temp_dir().join(format!("reap-reproduce-{}", std::process::id())),
     };
+    if dir.exists() && !dir.is_dir() {
+        bail!(UsageError(format!("--work-dir {}: exists and is not a folder", dir.display())));
+    }
+    let argv = redirect_outputs(&m.argv, &dir, &m.cwd);
+    let manifest = redirected_manifest(&argv);
+    let rerun_files: Vec<PathBuf> = m.outputs.iter().map(|f| redirected(&dir, &f.path)).chain(manifest).collect();
+    // the re-run would write over such a file and reproduce then remove it: with --work-dir
+    // at the recorded run's own folder, that is the recorded outputs themselves
+    if let Some(p) = rerun_files.iter().find(|p| p.exists()) {
+        bail!(UsageError(format!(
+            "--work-dir {}: already holds {}, which the re-run would write over; give an empty or new folder",
+            dir.display(),
+            p.display()
+        )));
+    }
     // a folder that exists already may hold other files: then only what the re-run wrote goes
     let created = !dir.exists();
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let argv = redirect_outputs(&m.argv, &dir);
+    // the folders the re-run's files go in that do not exist yet, deepest first
+    let mut new_dirs: Vec<PathBuf> = Vec::new();
+    for p in &rerun_files {
+        for a in p.ancestors().skip(1).take_while(|a| a.starts_with(&dir)) {
+            if !a.exists() && !new_dirs.iter().any(|d| d == a) {
+                new_dirs.push(a.to_path_buf());
+            }
+        }
+    }
+    new_dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+    for d in new_dirs.iter().rev() {
+        std::fs::create_dir_all(d).map_err(|e| UsageError(format!("--work-dir: creating {}: {e}", d.display())))?;
+    }
     let exe = std::env::current_exe().context("locating this program")?;
-    let manifest = redirected_manifest(&argv);
-    let rerun_files: Vec<PathBuf> = m.outputs.iter().map(|f| dir.join(f.path.file_name().unwrap_or_default())).chain(manifest).collect();
-    // a signal that ends reproduce goes to the re-run first, then takes what it wrote (and a
-    // folder reproduce made) with it; slots run out before a manifest's outputs do only in
-    // theory (16)
-    let _on_signal: Vec<_> = rerun_files.iter().chain(created.then_some(&dir)).map(|p| crate::interrupt::remove_on_signal(p)).collect();
+    // a signal that ends reproduce goes to the re-run first, then takes what it wrote (and the
+    // folders reproduce made) with it
+    let on_signal: Vec<_> = rerun_files.iter().chain(&new_dirs).map(|p| crate::interrupt::remove_on_signal(p)).collect();
+    let unarmed = on_signal.iter().filter(|g| !g.armed()).count();
+    if unarmed > 0 {
+        println!("  note: {unarmed} of the re-run's {} paths are beyond what a signal can clean up; if reproduce is stopped, remove {} by hand", on_signal.len(), dir.display());
+    }
+    // the re-run's files, then the folders made for them (see on_signal)
+    let remove_rerun = || {
+        for p in &rerun_files {
+            let _ = std::fs::remove_file(p);
+        }
+        if created {
+            let _ = std::fs::remove_dir_all(&dir);
+        } else {
+            for d in &new_dirs {
+                let _ = std::fs::remove_dir(d);
+            }
+        }
+    };
     let child = std::process::Command::new(exe)
         .args(&argv)
         .current_dir(&m.cwd)
@@ -163,11 +225,18 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
         child.wait_with_output().context("re-running the recorded command")?
     };
     if !run.status.success() {
-        bail!("the re-run failed ({}); its outputs are in {}:\n{}", run.status, dir.display(), String::from_utf8_lossy(&run.stderr).trim_end());
+        let wrote = rerun_files.iter().any(|p| p.exists()) || (created && holds_files(&dir));
+        let kept = if wrote {
+            format!("what it wrote is in {}", dir.display())
+        } else {
+            remove_rerun();
+            "it wrote nothing".to_string()
+        };
+        bail!("the re-run failed ({}); {kept}:\n{}", run.status, String::from_utf8_lossy(&run.stderr).trim_end());
     }
     let mut all_same = true;
     for f in &m.outputs {
-        let again = dir.join(f.path.file_name().unwrap_or_default());
+        let again = redirected(&dir, &f.path);
         match FileRecord::of(&f.role, &again, &m.cwd) {
             Ok(now) if now.sha256 == f.sha256 => println!("  output {} {}: identical ({} bytes)", f.role, f.path.display(), now.size),
             Ok(now) => {
@@ -186,7 +255,10 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
         let replaced = match std::fs::metadata(&full) {
             Ok(md) if md.len() != f.size => true,
             Ok(_) => FileRecord::of(&f.role, &f.path, &m.cwd).is_ok_and(|now| now.sha256 != f.sha256),
-            Err(_) => false,
+            Err(_) => {
+                println!("  note: {} (the {} this manifest records) no longer exists", f.path.display(), f.role);
+                false
+            }
         };
         if replaced {
             println!("  note: {} on disk is not the {} this manifest records (written over since, e.g. by a later run)", f.path.display(), f.role);
@@ -194,15 +266,16 @@ pub fn run(args: &ReproduceArgs) -> Result<i32> {
     }
     if args.keep || !all_same {
         println!("  re-run outputs kept in {}", dir.display());
-    } else if created {
-        let _ = std::fs::remove_dir_all(&dir);
     } else {
-        for p in &rerun_files {
-            let _ = std::fs::remove_file(p);
-        }
+        remove_rerun();
     }
     println!("{}", if all_same { "reproduced: every output is byte-identical" } else { "NOT reproduced" });
     Ok(if all_same { 0 } else { crate::error::EXIT_FAILURE })
+}
+
+/// Whether a folder holds a file, at any depth (the folders made for the re-run do not count).
+fn holds_files(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| entries.flatten().any(|e| if e.path().is_dir() { holds_files(&e.path()) } else { true }))
 }
 
 /// The re-run's `--manifest-out` (redirect_outputs always gives one).
@@ -228,16 +301,23 @@ mod tests {
             .iter()
             .map(|s| s.to_string())
             .collect();
-        let got = redirect_outputs(&argv, Path::new("/w"));
+        let cwd = Path::new("/nonexistent-cwd");
+        let got = redirect_outputs(&argv, Path::new("/w"), cwd);
         assert_eq!(
             got,
-            ["-m", "m.gguf", "-o", "/w/i.gguf", "--reap-out=/w/r.json", "--trace-out", "/w/t.bin", "-f", "c.txt", "--manifest-out", "/w/reproduced.manifest.json"]
+            ["-m", "m.gguf", "-o", "/w/out/i.gguf", "--reap-out=/w/r.json", "--trace-out", "/w/abs/t.bin", "-f", "c.txt", "--manifest-out", "/w/reproduced.manifest.json"]
         );
         // no -o given: upstream's default name, in the scratch folder
-        let got = redirect_outputs(&["-m".into(), "m.gguf".into()], Path::new("/w"));
+        let got = redirect_outputs(&["-m".into(), "m.gguf".into()], Path::new("/w"), cwd);
         assert_eq!(got, ["-m", "m.gguf", "-o", "/w/imatrix.gguf", "--manifest-out", "/w/reproduced.manifest.json"]);
         // the value attached to -o; -ofreq is another flag
         let argv: Vec<String> = ["-oout/i.gguf", "-ofreq", "5", "-o=j.gguf"].iter().map(|s| s.to_string()).collect();
-        assert_eq!(redirect_outputs(&argv, Path::new("/w")), ["-o/w/i.gguf", "-ofreq", "5", "-o=/w/j.gguf", "--manifest-out", "/w/reproduced.manifest.json"]);
+        assert_eq!(redirect_outputs(&argv, Path::new("/w"), cwd), ["-o/w/out/i.gguf", "-ofreq", "5", "-o=/w/j.gguf", "--manifest-out", "/w/reproduced.manifest.json"]);
+        // two outputs of one name in two folders stay two files; a device is written in place
+        let argv: Vec<String> = ["-o", "x/out", "--trace-out", "y/out", "--reap-out", "../r.json", "-o", "/dev/null"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(
+            redirect_outputs(&argv, Path::new("/w"), cwd),
+            ["-o", "/w/x/out", "--trace-out", "/w/y/out", "--reap-out", "/w/up/r.json", "-o", "/dev/null", "--manifest-out", "/w/reproduced.manifest.json"]
+        );
     }
 }

@@ -474,7 +474,8 @@ impl Outputs<'_> {
     fn run_block(&self) -> Value {
         let a = &self.plan.args;
         json!({
-            "ctx": self.plan.n_ctx, "batch": self.plan.n_batch, "ubatch": a.ubatch_size, "n_seq": self.plan.n_seq,
+            // effective sizes, as llama.cpp uses them (the ubatch never exceeds the batch)
+            "ctx": self.plan.n_ctx, "batch": self.plan.n_batch, "ubatch": a.ubatch_size.min(self.plan.n_batch as _), "n_seq": self.plan.n_seq,
             "chunks": a.chunks, "chunks_done": self.chunks_done, "from_chunk": a.chunk,
             "output_frequency": a.output_frequency, "threads": a.threads, "n_gpu_layers": a.n_gpu_layers,
             "trace_top_n": a.trace_top_n_or_default(), "trace_tokens": a.trace_tokens,
@@ -722,7 +723,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
                 eprintln!(
                     "warning: --domains {}:{}: range [{}, {}) ({}) says {stated} tokens, this text has {counted} there: a domains file of another mix, or a run without --parse-special (corpus counts special tokens parsed); tokens are attributed by byte range all the same",
                     plan.args.domains.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
-                    i + 2,
+                    r.line,
                     r.start,
                     r.end,
                     r.domain

@@ -71,6 +71,10 @@ pub fn flags(a: &super::args::ImatrixArgs) -> Result<()> {
     if a.ubatch_size <= 0 {
         bail!(UsageError(format!("-ub {}: the micro-batch size must be at least 1", a.ubatch_size)));
     }
+    if let (Some(d), None) = (&a.domains, &a.file) {
+        // it names byte ranges of the calibration text; combining --in-file reads none
+        bail!(UsageError(format!("--domains {}: needs the calibration text it describes (-f)", d.display())));
+    }
     Ok(())
 }
 

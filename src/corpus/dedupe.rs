@@ -18,7 +18,10 @@
 //!   equal, or when they share at least [`EVAL_OVERLAP`] of the shingles of the smaller of the
 //!   two (overlap coefficient |A∩B| / min(|A|, |B|)): a calibration document that contains an
 //!   evaluation text, or is contained in one, counts. Computed exactly over an index of every
-//!   evaluation shingle.
+//!   evaluation shingle. A text of fewer than [`SHINGLE`] units has only the shingle of all its
+//!   units, which no window of a longer text matches: for such a text (either side) the test is
+//!   instead whether its unit sequence occurs, whole and in order, in the other's units (found
+//!   by hashing the other's windows of that length, then compared unit by unit).
 //!
 //! Documents are visited in a fixed order (sources in command-line order, lines in file order);
 //! the first of a group of duplicates is kept.
@@ -86,15 +89,22 @@ fn unit_hashes(normalised: &str) -> Vec<u64> {
     out
 }
 
+/// The hash of a run of units (a shingle, or a short text's whole sequence).
+fn combine(w: &[u64]) -> u64 {
+    w.iter().fold(0x5151_5151_u64, |h, &u| mix64(h.rotate_left(17) ^ u))
+}
+
 /// A document's sorted, deduplicated shingle hashes.
 pub fn shingles(normalised: &str) -> Vec<u64> {
-    let units = unit_hashes(normalised);
-    let combine = |w: &[u64]| w.iter().fold(0x5151_5151_u64, |h, &u| mix64(h.rotate_left(17) ^ u));
+    shingles_of(&unit_hashes(normalised))
+}
+
+fn shingles_of(units: &[u64]) -> Vec<u64> {
     let mut v: Vec<u64> = if units.len() < SHINGLE {
         if units.is_empty() {
             Vec::new()
         } else {
-            vec![combine(&units)]
+            vec![combine(units)]
         }
     } else {
         units.windows(SHINGLE).map(combine).collect()
@@ -150,14 +160,56 @@ fn minhash(set: &[u64]) -> [u64; PERMS] {
 pub struct Prepared {
     pub normalised: String,
     pub exact: u64,
+    /// the unit hashes, in order (containment of a text shorter than a shingle); empty where
+    /// no such test needs them (see [`EvalIndex::prepare`])
+    pub units: Vec<u64>,
     pub shingles: Vec<u64>,
 }
 
 pub fn prepare(text: &str) -> Prepared {
     let normalised = normalise(text);
     let exact = fnv1a(normalised.as_bytes());
-    let shingles = shingles(&normalised);
-    Prepared { normalised, exact, shingles }
+    let units = unit_hashes(&normalised);
+    let shingles = shingles_of(&units);
+    Prepared { normalised, exact, units, shingles }
+}
+
+/// Texts shorter than a shingle, keyed by (unit count, hash of the units), for finding them
+/// whole inside other texts.
+struct Short {
+    by_seq: HashMap<(usize, u64), Vec<u32>>,
+    /// the unit counts present, ascending
+    lens: Vec<usize>,
+}
+
+impl Short {
+    fn new<'a>(docs: impl Iterator<Item = (usize, &'a Prepared)>) -> Self {
+        let mut by_seq: HashMap<(usize, u64), Vec<u32>> = HashMap::new();
+        for (i, d) in docs {
+            let n = d.units.len();
+            if n > 0 && n < SHINGLE {
+                by_seq.entry((n, combine(&d.units))).or_default().push(i as u32);
+            }
+        }
+        let mut lens: Vec<usize> = by_seq.keys().map(|k| k.0).collect();
+        lens.sort_unstable();
+        lens.dedup();
+        Short { by_seq, lens }
+    }
+
+    /// Calls `hit(i)` for every indexed text `i` whose units `is_units(i)` occur whole in
+    /// `units`.
+    fn scan<'u>(&self, units: &[u64], is_units: impl Fn(u32) -> &'u [u64], mut hit: impl FnMut(u32)) {
+        for &n in &self.lens {
+            for w in units.windows(n) {
+                if let Some(v) = self.by_seq.get(&(n, combine(w))) {
+                    for &i in v.iter().filter(|&&i| is_units(i) == w) {
+                        hit(i);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// The fate of one document.
@@ -175,6 +227,8 @@ pub struct EvalIndex {
     exact: HashMap<u64, Vec<usize>>,
     docs: Vec<Prepared>,
     by_shingle: HashMap<u64, Vec<u32>>,
+    /// the evaluation texts shorter than a shingle
+    short: Short,
 }
 
 impl EvalIndex {
@@ -187,7 +241,47 @@ impl EvalIndex {
                 by_shingle.entry(s).or_default().push(i as u32);
             }
         }
-        EvalIndex { exact, docs, by_shingle }
+        let short = Short::new(docs.iter().enumerate());
+        EvalIndex { exact, docs, by_shingle, short }
+    }
+
+    /// A calibration document prepared for [`dedupe`] against this index: its units are kept
+    /// only where a containment test reads them (the index holds evaluation texts shorter than
+    /// a shingle, or the document is shorter), since they double the shingles' memory.
+    pub fn prepare(&self, text: &str) -> Prepared {
+        let mut p = prepare(text);
+        if self.short.lens.is_empty() && p.units.len() >= SHINGLE {
+            p.units = Vec::new();
+        }
+        p
+    }
+
+    /// For each of `docs`, the first evaluation document that holds the whole of it, for the
+    /// documents shorter than a shingle (None for the others). One pass over the evaluation
+    /// texts, in parallel parts, each part giving its first hit per document.
+    pub fn containing(&self, docs: &[Prepared]) -> Vec<Option<usize>> {
+        let mut out = vec![None; docs.len()];
+        let short = Short::new(docs.iter().enumerate());
+        if short.lens.is_empty() {
+            return out;
+        }
+        let parts: Vec<std::ops::Range<usize>> = (0..self.docs.len()).step_by(256).map(|a| a..(a + 256).min(self.docs.len())).collect();
+        let found = crate::corpus::par::map(&parts, |r| {
+            let mut first: HashMap<u32, usize> = HashMap::new();
+            for e in r.clone() {
+                short.scan(&self.docs[e].units, |i| &docs[i as usize].units, |i| {
+                    first.entry(i).or_insert(e);
+                });
+            }
+            first
+        });
+        // parts in ascending order: the first part to hold a document holds its first hit
+        for part in found {
+            for (i, e) in part {
+                out[i as usize].get_or_insert(e);
+            }
+        }
+        out
     }
 
     /// The first evaluation document `d` overlaps, if any.
@@ -213,15 +307,19 @@ impl EvalIndex {
             })
             .map(|(&e, _)| e)
             .collect();
-        hits.sort_unstable();
-        hits.first().map(|&e| e as usize)
+        // evaluation texts shorter than a shingle that occur whole in the document
+        self.short.scan(&d.units, |e| &self.docs[e as usize].units, |e| hits.push(e));
+        hits.into_iter().min().map(|e| e as usize)
     }
 }
 
 /// Decides every document's fate, in order (see the module doc).
 pub fn dedupe(docs: &[Prepared], eval: &EvalIndex) -> Vec<Verdict> {
     let sigs: Vec<[u64; PERMS]> = crate::corpus::par::map(docs, |d| minhash(&d.shingles));
+    let contained = eval.containing(docs);
     let overlaps: Vec<Option<usize>> = crate::corpus::par::map(docs, |d| eval.overlap(d));
+    // a document shorter than a shingle, held whole by an evaluation text: the first of both
+    let overlaps: Vec<Option<usize>> = overlaps.into_iter().zip(contained).map(|(a, b)| a.into_iter().chain(b).min()).collect();
     let mut exact: HashMap<u64, Vec<usize>> = HashMap::new();
     let mut bands: Vec<HashMap<u64, Vec<u32>>> = vec![HashMap::new(); BANDS];
     let mut out = Vec::with_capacity(docs.len());
@@ -344,5 +442,24 @@ mod tests {
         assert_eq!(eval.overlap(&prepare(&big)), Some(1));
         // unrelated
         assert_eq!(eval.overlap(&prepare(&words(100, 15).join(" "))), None);
+    }
+
+    /// A text shorter than a shingle has one shingle of all its units, which no window of a
+    /// longer text matches: it counts when the other text holds its units whole, in order,
+    /// either way round.
+    #[test]
+    fn short_texts_are_found_whole_inside_longer_ones() {
+        let eval = EvalIndex::new(vec![prepare(&words(100, 21).join(" ")), prepare("Name two primes."), prepare("What is the capital of France?"), prepare("東京都")]);
+        // a calibration document holding a short evaluation text (case and spacing aside)
+        assert_eq!(eval.overlap(&prepare("Quiz: name  two\nPRIMES. Answer: 2 and 3.")), Some(1));
+        assert_eq!(eval.overlap(&prepare("私は東京都に住んでいます。")), Some(3));
+        // the units must be consecutive and whole
+        assert_eq!(eval.overlap(&prepare("Name two more primes. Answer: 5 and 7.")), None);
+        assert_eq!(eval.overlap(&prepare("Name two primes and one square.")), None);
+        // short calibration documents held by an evaluation text, and one that is not
+        let docs: Vec<Prepared> = ["What is the capital", "東京", "capital of France? Paris.", "Quiz: Name two primes. Answer: 2 and 3.", &words(50, 22).join(" ")].iter().map(|t| prepare(t)).collect();
+        assert_eq!(eval.containing(&docs), [Some(2), Some(3), None, None, None]);
+        let v = dedupe(&docs, &eval);
+        assert_eq!(v, [Verdict::EvalOverlap(2), Verdict::EvalOverlap(3), Verdict::Keep, Verdict::EvalOverlap(1), Verdict::Keep]);
     }
 }

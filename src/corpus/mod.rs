@@ -103,6 +103,15 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
     if args.max_doc_tokens == Some(0) {
         bail!(UsageError("--max-doc-tokens must be at least 1".into()));
     }
+    let targets: Vec<u64> = shares.iter().map(|&sh| (sh * args.tokens as f64).round() as u64).collect();
+    // a target of 0 would leave the source out of the mix without a word
+    if let Some(s) = targets.iter().position(|&t| t == 0) {
+        bail!(UsageError(format!(
+            "--source {}: share {} of --tokens {} is a target of 0 tokens, so the source would be left out: raise --tokens or the share",
+            specs[s].name, shares[s], args.tokens
+        )));
+    }
+    let share_sum: f64 = shares.iter().sum();
     let (dom_path, rep_path) = (domains_path(&args.output), report_path(&args.output));
     let inputs: Vec<(String, &Path)> = std::iter::once(("-m".to_string(), args.model.as_path()))
         .chain(specs.iter().map(|s| (format!("--source {}", s.name), s.path.as_path())))
@@ -114,6 +123,8 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
         }
         crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("-o {e}")))?;
     }
+    // a missing, foreign or unknown model is a usage error naming -m, before llama.cpp sees it
+    crate::formats::gguf_header::read_model("-m", &args.model)?;
     let model = Model::load(&args.model, &ModelParams { vocab_only: true, ..Default::default() })?;
     let template = model.chat_template();
     let vocab = model.vocab();
@@ -139,8 +150,8 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
 
     // every document of every source, in command-line then file order
     let all: Vec<(usize, usize)> = srcs.iter().enumerate().flat_map(|(s, src)| (0..src.docs.len()).map(move |d| (s, d))).collect();
-    let prepared = par::map(&all, |&(s, d)| dedupe::prepare(&srcs[s].docs[d].1));
     let eval = dedupe::EvalIndex::new(par::map(&eval_docs, |(_, t)| dedupe::prepare(t)));
+    let prepared = par::map(&all, |&(s, d)| eval.prepare(&srcs[s].docs[d].1));
     let verdicts = dedupe::dedupe(&prepared, &eval);
     drop(prepared);
     let t_dedupe = t0.elapsed();
@@ -173,7 +184,6 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
     // token counts, per source in that order, only as far as its target needs: the plan takes
     // each source's documents in queue order and stops at the target, so the documents after
     // that are never read (counting everything was most of the command's time)
-    let targets: Vec<u64> = srcs.iter().map(|s| (s.share * args.tokens as f64).round() as u64).collect();
     let bar = crate::progress::start(0, crate::progress::Unit::Documents).label("corpus: counting tokens");
     let mut queues: Vec<Vec<u64>> = vec![Vec::new(); srcs.len()];
     let mut counted_bytes = vec![0u64; srcs.len()];
@@ -255,7 +265,7 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
         let start = text.len() as u64;
         text.push_str(body);
         text.push_str(if i + 1 == plan.len() { "\n" } else { SEPARATOR });
-        ranges.push(Range { start, end: text.len() as u64, domain: srcs[t.source].spec.name.clone(), tokens: None });
+        ranges.push(Range { start, end: text.len() as u64, domain: srcs[t.source].spec.name.clone(), tokens: None, line: ranges.len() + 2 });
         stats[t.source].documents += 1;
     }
     if text.ends_with(SEPARATOR) {
@@ -316,7 +326,14 @@ pub fn run(args: &CorpusArgs) -> Result<i32> {
     })?;
 
     print_table(&srcs, &stats, total, args.tokens);
-    if total < args.tokens {
+    if share_sum < 1.0 - 1e-9 {
+        // every share given and below 1 in all: the mix is planned at that part of --tokens
+        let shown = (share_sum * 1e9).round() / 1e9;
+        eprintln!(
+            "note: the --source shares add up to {shown}, so the mix has {total} tokens, about {shown} × --tokens {}: for K chunks of C tokens ask for --tokens a little more than K × C / {shown}",
+            args.tokens
+        );
+    } else if total < args.tokens {
         // a calibration of K chunks of C tokens needs K·C (llama-imatrix: at least 2·C)
         eprintln!(
             "note: the mix has {total} tokens, {} below --tokens {} (documents are planned by their own counts; tokens merge where they are joined, and calibration strips the final newline): for K chunks of C tokens ask for a little more than K × C",
@@ -380,27 +397,50 @@ fn count_batch(need: u64, counted_bytes: u64, counted_tokens: u64, max_doc_token
 }
 
 /// A document's tokens in the mix: its trimmed text and the separator after it, with special
-/// tokens parsed (as `--parse-special` calibration reads them), nothing added.
+/// tokens parsed (as `--parse-special` calibration reads them), nothing added. The document is
+/// tokenised as it stands in the mix, after the separator that ends the one before it: alone,
+/// it would start a text, where a SentencePiece vocab adds a space that becomes a token of its
+/// own before what cannot merge with it (CJK, digits, punctuation), about a token per document
+/// that the mix does not have.
 fn count_tokens(vocab: Vocab<'_>, doc: &str) -> Result<u64> {
-    let mut s = String::with_capacity(doc.len() + 2);
-    s.push_str(doc.trim());
-    if s.is_empty() {
+    let body = doc.trim();
+    if body.is_empty() {
         return Ok(0);
     }
+    let text = in_mix(body);
+    let toks = vocab.tokenize(text.as_bytes(), false, true)?;
+    let sep = vocab.tokenize(SEPARATOR.as_bytes(), false, true)?;
+    if toks.starts_with(&sep) {
+        // the separator's own tokens spell it: the rest start in the document
+        return Ok((toks.len() - sep.len()) as u64);
+    }
+    // a token across the join: count those starting in the document, as the domains file does
+    let offs = vocab.token_offsets(text.as_bytes(), &toks)?;
+    Ok(offs.iter().filter(|&&o| o >= SEPARATOR.len() as u64).count() as u64)
+}
+
+/// `doc` as it stands in the mix: after a separator, followed by one.
+fn in_mix(doc: &str) -> String {
+    let mut s = String::with_capacity(doc.len() + 2 * SEPARATOR.len());
     s.push_str(SEPARATOR);
-    Ok(vocab.tokenize(s.as_bytes(), false, true)?.len() as u64)
+    s.push_str(doc);
+    s.push_str(SEPARATOR);
+    s
 }
 
 /// The end of `doc` that tokenises (with the separator) to at most `keep` tokens: the cut falls
 /// on a token boundary that is also a character boundary, moved forward until the kept part
 /// re-tokenises within `keep`.
 fn keep_end<'a>(vocab: Vocab<'_>, doc: &'a str, keep: u64) -> Result<&'a str> {
-    let full = format!("{doc}{SEPARATOR}");
+    // tokenised as in the mix (see count_tokens); offsets are then of the document plus `sep`
+    let full = in_mix(doc);
+    let sep = SEPARATOR.len();
     let toks = vocab.tokenize(full.as_bytes(), false, true)?;
     let offs = vocab.token_offsets(full.as_bytes(), &toks)?;
-    let mut first = toks.len().saturating_sub(keep as usize);
+    let own = offs.iter().position(|&o| o as usize >= sep).unwrap_or(toks.len());
+    let mut first = own.max(toks.len().saturating_sub(keep as usize));
     while first < toks.len() {
-        let at = offs[first] as usize;
+        let at = offs[first] as usize - sep;
         if at >= doc.len() {
             return Ok("");
         }

@@ -246,10 +246,20 @@ fn eval(ctx: &mut Context<'_, CalibrationObserver>, seq: usize, pos0: usize, tok
             t.phase = phase;
         }
     }
+    let drops = |ctx: &Context<'_, CalibrationObserver>| ctx.observer().reap.as_ref().map_or(0, |r| r.sums.nonfinite_drops);
+    let before = drops(ctx);
     let res = ctx.decode(&mut batch);
     ctx.observer_mut().finish_ubatch();
     if let Some(f) = ctx.observer_mut().failure.take() {
         bail!("{f} (sequence {seq}, position {pos0})");
+    }
+    // rows of NaN gates and junk ids would fail `check`; calibration stops on such input too
+    if drops(ctx) > before {
+        bail!(
+            "non-finite values (NaN or Inf) in the MoE routing of sequence {seq}, positions {pos0}..{}: the model computes them for \
+             this input; the trace keeps the rows already written",
+            pos0 + tokens.len()
+        );
     }
     res
 }

@@ -27,6 +27,9 @@ pub struct Range {
     pub domain: String,
     /// the token count the file states (None when the column is absent)
     pub tokens: Option<u64>,
+    /// 1-based line of the file it was read from, for messages (blank lines make it differ
+    /// from the index); for a range made in memory, the line `to_tsv` writes it on
+    pub line: usize,
 }
 
 /// A parsed, validated domains file.
@@ -100,7 +103,7 @@ impl Domains {
                     ));
                 }
             }
-            ranges.push(Range { start, end, domain: f[2].to_string(), tokens });
+            ranges.push(Range { start, end, domain: f[2].to_string(), tokens, line: i + 1 });
         }
         let d = Domains { ranges };
         let n = d.name_ids().1.len();
@@ -128,6 +131,7 @@ impl Domains {
     /// Tokens per range (token start offsets, ascending), each counted in the last range that
     /// starts at or before it (a token before the first range, such as an added BOS at offset
     /// 0, counts in the first): the counts `corpus` writes, where the ranges tile the text.
+    /// Only right for such a file: with gaps, a gap's tokens land in the range before it.
     pub fn tokens_per_range(&self, offsets: &[u64]) -> Vec<u64> {
         let mut out = vec![0u64; self.ranges.len()];
         let mut i = 0;
@@ -144,9 +148,13 @@ impl Domains {
 
     /// The first range whose stated token count is not its count in `offsets`: (index,
     /// stated, counted). A file written by `corpus` for this text, tokenised as calibration
-    /// tokenises it with `--parse-special`, has none.
+    /// tokenises it with `--parse-special`, has none. Only tokens inside a range count in it
+    /// (as calibration attributes them): a file with gaps leaves the gaps' tokens out.
     pub fn first_count_mismatch(&self, offsets: &[u64]) -> Option<(usize, u64, u64)> {
-        let counted = self.tokens_per_range(offsets);
+        let mut counted = vec![0u64; self.ranges.len()];
+        for i in self.range_of_offsets(offsets).into_iter().flatten() {
+            counted[i] += 1;
+        }
         self.ranges.iter().zip(counted).enumerate().find_map(|(i, (r, n))| r.tokens.filter(|&t| t != n).map(|t| (i, t, n)))
     }
 
@@ -154,13 +162,19 @@ impl Domains {
     /// holding it, or None for bytes outside every range.
     pub fn domain_of_offsets(&self, offsets: &[u64]) -> Vec<Option<u16>> {
         let ids: Vec<u16> = self.name_ids().0.into_iter().map(|i| i as u16).collect();
+        self.range_of_offsets(offsets).into_iter().map(|r| r.map(|i| ids[i])).collect()
+    }
+
+    /// For each byte offset in `offsets` (ascending), the index of the range holding it, or
+    /// None for bytes outside every range.
+    fn range_of_offsets(&self, offsets: &[u64]) -> Vec<Option<usize>> {
         let mut out = Vec::with_capacity(offsets.len());
         let mut i = 0;
         for &o in offsets {
             while i < self.ranges.len() && self.ranges[i].end <= o {
                 i += 1;
             }
-            out.push((i < self.ranges.len() && self.ranges[i].start <= o).then(|| ids[i]));
+            out.push((i < self.ranges.len() && self.ranges[i].start <= o).then_some(i));
         }
         out
     }
@@ -176,6 +190,24 @@ mod tests {
         assert_eq!(d.names(), ["a", "b"]);
         assert_eq!(Domains::parse(&d.to_tsv(), "x", 20).unwrap(), d);
         assert_eq!(d.domain_of_offsets(&[0, 4, 5, 8, 9, 11, 12, 14, 15, 19]), [Some(0), Some(0), Some(1), Some(1), None, None, Some(0), Some(0), None, None]);
+    }
+
+    /// With gaps between ranges, a range's count is of the tokens inside it: the gap's tokens
+    /// are no range's (they used to land in the range before the gap).
+    #[test]
+    fn counts_are_compared_inside_the_ranges() {
+        let d = Domains::parse("start\tend\tdomain\ttokens\n0\t5\ta\t2\n9\t12\tb\t1\n", "d.tsv", 20).unwrap();
+        // tokens at 5 and 7 fall in the gap [5, 9), the one at 14 after the last range
+        assert_eq!(d.first_count_mismatch(&[0, 3, 5, 7, 9, 14]), None);
+        assert_eq!(d.first_count_mismatch(&[0, 3, 4, 9]), Some((0, 2, 3)));
+        assert_eq!(d.first_count_mismatch(&[0, 3, 9, 10]), Some((1, 1, 2)));
+    }
+
+    /// Each range keeps its line in the file, blank lines counted, for messages.
+    #[test]
+    fn ranges_keep_their_line_in_the_file() {
+        let d = Domains::parse("start\tend\tdomain\ttokens\n\n0\t5\ta\t2\n\n\n5\t9\tb\t1\n", "d.tsv", 20).unwrap();
+        assert_eq!(d.ranges.iter().map(|r| r.line).collect::<Vec<_>>(), [3, 6]);
     }
 
     #[test]

@@ -286,6 +286,45 @@ impl Header {
     }
 }
 
+impl Header {
+    /// The length of an array value (None for a scalar).
+    pub fn array_len(&self, b: &[u8], key: &str) -> Option<u64> {
+        let kv = self.kv(key).filter(|kv| kv.ty == TYPE_ARRAY)?;
+        Some(u64::from_le_bytes(b.get(kv.value.start + 4..kv.value.start + 12)?.try_into().ok()?))
+    }
+
+    /// The bytes of the array pair `kv` with only its first `n` elements.
+    pub fn encode_array_prefix(kv: &Kv, b: &[u8], n: u64) -> Result<Vec<u8>, String> {
+        if kv.ty != TYPE_ARRAY {
+            return Err(format!("{} is not an array", kv.key));
+        }
+        let v = &b[kv.value.clone()];
+        let ety = u32::from_le_bytes(v[..4].try_into().unwrap());
+        let len = u64::from_le_bytes(v[4..12].try_into().unwrap());
+        if n > len {
+            return Err(format!("{}: has {len} elements, not {n}", kv.key));
+        }
+        // the first n elements' bytes (parse checked the whole array)
+        let end = match ety {
+            TYPE_STRING => {
+                let mut pos = 12usize;
+                for _ in 0..n {
+                    pos += 8 + u64::from_le_bytes(v[pos..pos + 8].try_into().unwrap()) as usize;
+                }
+                pos
+            }
+            _ => 12 + (n * scalar_size(ety).ok_or_else(|| format!("{}: unknown array element type {ety}", kv.key))?) as usize,
+        };
+        let mut out = Vec::new();
+        put_str(&mut out, &kv.key);
+        out.extend_from_slice(&TYPE_ARRAY.to_le_bytes());
+        out.extend_from_slice(&ety.to_le_bytes());
+        out.extend_from_slice(&n.to_le_bytes());
+        out.extend_from_slice(&v[12..end]);
+        Ok(out)
+    }
+}
+
 /// Encodes a header: the pairs as given (raw bytes), then the tensor infos with offsets laid
 /// out in order, each tensor padded to `alignment` (as every GGUF writer lays them out), then
 /// zero padding up to the data section. Returns the bytes and each tensor's offset.

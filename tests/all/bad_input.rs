@@ -135,6 +135,12 @@ fn flags_refused_before_loading() {
     // llama.cpp takes at most 256 sequences per batch; said before the load, not after it
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "-c", "4"]), &["-b 2048 holds 512 chunks of -c 4", "at most 256"]);
     refused_early(&calibrate_in(&d, &m, &["-f", &c, "--trace-out", "t.bin", "--trace-tokens", "0"]), &["--trace-tokens 0 traces nothing"]);
+    // --domains describes the text of -f: combining --in-file alone reads none
+    let domains = repo().join("corpus/mix.domains.tsv");
+    let dc = temp_dir("bad-flags-combine");
+    assert!(calibrate_in(&dc, &m, &["-f", &c, "-c", "128", "--chunks", "1", "-o", "i.gguf"]).status.success());
+    refused_early(&calibrate_in(&dc, &m, &["--in-file", "i.gguf", "-o", "j.gguf", "--domains", domains.to_str().unwrap()]), &["--domains", "needs the calibration text it describes (-f)"]);
+    assert!(!dc.join("j.gguf").exists());
     // a trace holds one k: a model whose layers use different counts is not traced
     let per_layer = d.join("per-layer-k.gguf");
     with_per_layer_k(&m, &per_layer, &[4, 2, 6, 4]);

@@ -300,12 +300,15 @@ fn bad_input_is_named_and_nothing_is_written() {
     std::fs::write(d.join("ok.jsonl"), "{\"text\": \"one two three four five six\"}\n").unwrap();
     std::fs::write(d.join("bad.jsonl"), "{\"text\": \"fine\"}\n{\"text\": \"x\"\n").unwrap();
     std::fs::write(d.join("nofield.jsonl"), "{\"body\": \"x\"}\n").unwrap();
+    std::fs::write(d.join("ok2.jsonl"), "{\"text\": \"seven eight nine ten eleven twelve\"}\n").unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["--source", "b=bad.jsonl", "--tokens", "5"], "bad.jsonl:2: not valid JSON"),
         (&["--source", "n=nofield.jsonl", "--tokens", "5"], "nofield.jsonl:1: a document needs \"text\" or \"messages\""),
         (&["--source", "a=ok.jsonl:0.7", "--source", "b=ok.jsonl:0.6", "--tokens", "5"], "shares add up to 1.3"),
         (&["--source", "a=ok.jsonl", "--tokens", "500"], "a: target 500 tokens, available"),
         (&["--source", "a=missing.jsonl", "--tokens", "5"], "missing.jsonl"),
+        // a target that rounds to 0 tokens would leave the source out without a word
+        (&["--source", "a=ok.jsonl:0.05", "--source", "b=ok2.jsonl", "--tokens", "5"], "--source a: share 0.05 of --tokens 5 is a target of 0 tokens"),
     ];
     for (args, want) in cases {
         let out = corpus_cmd(&d, &model, &[*args, &["-o", "x.txt"]].concat());
@@ -324,6 +327,67 @@ fn bad_input_is_named_and_nothing_is_written() {
     let out = corpus_cmd(&d, &model, &["--source", "(none)=ok.jsonl", "--tokens", "5", "-o", "x.txt"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("is kept for tokens outside every document"));
+    // a model that is missing, not GGUF or a folder: the shared -m check, before llama.cpp
+    std::fs::write(d.join("junk.gguf"), "not a model at all").unwrap();
+    std::fs::create_dir_all(d.join("dir.gguf")).unwrap();
+    for (m, want) in [("missing.gguf", "-m missing.gguf: cannot read the model file"), ("junk.gguf", "-m junk.gguf: not a GGUF file"), ("dir.gguf", "-m dir.gguf: is a folder")] {
+        let out = corpus_cmd(&d, Path::new(m), &["--source", "a=ok.jsonl", "--tokens", "5", "-o", "x.txt"]);
+        assert_eq!(out.status.code(), Some(2), "{m}");
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(e.contains(want), "{m}: {e}");
+        assert!(!d.join("x.txt").exists() && !d.join("x.domains.tsv").exists() && !d.join("x.report.json").exists());
+    }
+}
+
+/// With every share given and a sum below 1 the mix holds that part of --tokens: the note
+/// says so and gives the budget to ask for accordingly.
+#[test]
+fn shares_below_one_say_what_budget_to_ask_for() {
+    let d = temp_dir("corpus-shares-below-one");
+    let mut w = Words(3);
+    write_jsonl(&d.join("a.jsonl"), &(0..40).map(|_| json!({"text": w.doc(30)})).collect::<Vec<_>>());
+    let out = corpus_cmd(&d, &fixture("qwen3moe"), &["--source", "a=a.jsonl:0.5", "--tokens", "400", "-o", "m.txt"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("the --source shares add up to 0.5") && e.contains("a little more than K × C / 0.5"), "{e}");
+    let tokens = report(&d, "m")["tokens"].as_u64().unwrap();
+    assert!((190..=200).contains(&tokens), "{tokens}");
+}
+
+/// A SentencePiece vocab adds a space before a text, a token of its own before what cannot
+/// merge with it (CJK, digits): each document is counted as it stands in the mix, after the
+/// separator, where it has no such space, so a mix of many short documents reaches --tokens
+/// (counting each alone planned about one token per document that the mix lacks).
+#[test]
+fn sentencepiece_documents_are_counted_as_they_stand_in_the_mix() {
+    let d = temp_dir("corpus-spm-count");
+    let vocab = PathBuf::from(std::env::var_os("REAP_IMATRIX_CACHE").map(PathBuf::from).unwrap_or(repo().join("vendor/cache")))
+        .join(format!("llama.cpp-{}", pin_commit()))
+        .join("models/ggml-vocab-llama-spm.gguf");
+    let spm = d.join("spm.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--vocab"]).arg(&vocab).arg("-o").arg(&spm));
+    let chars: Vec<char> = "日本語文章東京大阪京都雨晴今明山川海空花鳥風月".chars().collect();
+    let mut x = 3u64;
+    let docs: Vec<Value> = (0..2000)
+        .map(|i| {
+            let t: String = (0..8)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    chars[((x >> 33) % chars.len() as u64) as usize]
+                })
+                .collect();
+            json!({"text": format!("{t}{i}")})
+        })
+        .collect();
+    write_jsonl(&d.join("ja.jsonl"), &docs);
+    let out = corpus_cmd(&d, &spm, &["--source", "ja=ja.jsonl", "--tokens", "8000", "-o", "m.txt"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = report(&d, "m");
+    let tokens = r["tokens"].as_u64().unwrap();
+    // BOS and the first document's leading space added, the final newline stripped
+    assert!(tokens.abs_diff(8000) <= 3, "{tokens}");
+    let mix = read(&d.join("m.txt"));
+    assert_eq!(upstream_count(&d, &spm, mix.strip_suffix(b"\n").unwrap(), "up.txt"), tokens);
 }
 
 /// The bundled mix is what `corpus` makes of the bundled sources for the fixture's vocab.

@@ -221,3 +221,30 @@ fn a_bad_domains_file_is_refused_before_anything_is_written() {
         }
     }
 }
+
+/// The token-count check of a domains file counts only the tokens inside each range (a file
+/// with gaps: the gaps' tokens are no range's), and its warning names the range's line in the
+/// file, blank lines counted.
+#[test]
+fn domains_counts_are_checked_inside_the_ranges_and_warnings_name_the_files_line() {
+    let d = temp_dir("coverage-domains-lines");
+    let tsv = String::from_utf8(read(&mix_domains())).unwrap();
+    let lines: Vec<&str> = tsv.lines().collect();
+    // every second document left out: right counts, with gaps between the ranges
+    let gaps: Vec<&str> = std::iter::once(lines[0]).chain(lines[1..].iter().step_by(2).copied()).collect();
+    std::fs::write(d.join("gaps.tsv"), gaps.join("\n") + "\n").unwrap();
+    let out = calibrate(&d, &fixture("qwen3moe"), &["-c", "128", "--chunks", "1", "--domains", "gaps.tsv"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!e.contains("warning: --domains"), "{e}");
+    assert!(e.contains("(none)"), "the gaps' tokens are no domain's: {e}");
+    // blank lines after the header and a stale count on the second range: line 5 of the file
+    let mut stale: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+    let mut f: Vec<String> = stale[2].split('\t').map(String::from).collect();
+    f[3] = (f[3].parse::<u64>().unwrap() + 1).to_string();
+    stale[2] = f.join("\t");
+    stale.splice(1..1, ["".to_string(), "".to_string()]);
+    std::fs::write(d.join("blank.tsv"), stale.join("\n") + "\n").unwrap();
+    let out = calibrate(&d, &fixture("qwen3moe"), &["-c", "128", "--chunks", "1", "--domains", "blank.tsv"]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("warning: --domains blank.tsv:5:"), "{e}");
+}

@@ -357,3 +357,22 @@ fn offloaded_decode_traces_the_same_with_the_router_read_on_the_device() {
     assert_eq!(ga, gb);
     assert_same_bytes(&a, &b);
 }
+
+/// A model that computes NaN for some token (the fixture's `--poison-token`, here the token the
+/// first prompt's generation feeds back): the run stops with exit 1 naming the sequence and
+/// positions, as calibration stops on such input, instead of writing rows of NaN gates and
+/// junk ids that the tool's own `check` fails; an earlier trace at the path is left as it was.
+#[test]
+fn non_finite_routing_stops_the_run() {
+    let dir = temp_dir("decode-nan");
+    let model = dir.join("poisoned.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--poison-token", "1", "-o"]).arg(&model));
+    let trace = dir.join("t.bin");
+    std::fs::write(&trace, b"an earlier trace").unwrap();
+    let out = run(Command::new(ours()).args(["trace-decode", "-m"]).arg(&model).arg("-f").arg(prompts_file(&dir)).args(["-n", "8", "-t", "1", "--trace-out"]).arg(&trace));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("non-finite values (NaN or Inf) in the MoE routing of sequence 0, positions"), "{err}");
+    assert!(generations(&out.stdout).is_empty());
+    assert_eq!(read(&trace), b"an earlier trace");
+}

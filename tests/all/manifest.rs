@@ -58,13 +58,18 @@ fn a_run_reproduces_byte_for_byte_and_changes_are_reported() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("output imatrix at/y.gguf: identical"), "{text}");
-    assert!(d.join("elsewhere/wd/y.gguf").is_file());
-    // without --keep, a --work-dir that existed loses only the re-run's files
-    std::fs::write(d.join("elsewhere/wd/mine.txt"), "keep me").unwrap();
-    let out = run(Command::new(ours()).current_dir(d.join("elsewhere")).args(["reproduce", "../at/y.manifest.json", "--work-dir", "wd"]));
+    assert!(d.join("elsewhere/wd/at/y.gguf").is_file());
+    // without --keep, a --work-dir that existed loses only the re-run's files (and the folder
+    // made for them)
+    std::fs::create_dir_all(d.join("elsewhere/wd2")).unwrap();
+    std::fs::write(d.join("elsewhere/wd2/mine.txt"), "keep me").unwrap();
+    let out = run(Command::new(ours()).current_dir(d.join("elsewhere")).args(["reproduce", "../at/y.manifest.json", "--work-dir", "wd2"]));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
-    let left: Vec<String> = std::fs::read_dir(d.join("elsewhere/wd")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let left: Vec<String> = std::fs::read_dir(d.join("elsewhere/wd2")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     assert_eq!(left, ["mine.txt"]);
+    // the kept re-run's files are there still: the same folder again is refused, not written over
+    let out = run(Command::new(ours()).current_dir(d.join("elsewhere")).args(["reproduce", "../at/y.manifest.json", "--work-dir", "wd"]));
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
 
     // a manifest recording no outputs has nothing to reproduce
     let mut none = m.clone();
@@ -114,4 +119,74 @@ fn a_signal_to_reproduce_stops_the_rerun_and_leaves_no_scratch() {
     for f in ["s.gguf", "s.reap.json", "s.bin"] {
         assert!(text.contains(&format!("note: {f} on disk is not the")), "{f}: {text}");
     }
+}
+
+/// `reproduce --work-dir` never writes over (and then removes) a file that is there: each
+/// output goes to its recorded path under the folder (so the recorded run's own folder leaves
+/// the recorded outputs alone), one that would land on an existing file is refused, and so is
+/// a file given as the folder. The re-run keeps two outputs of one name in two folders apart, writes a device
+/// output in place (no stray file in the work dir), and a re-run that fails leaves no empty
+/// folder. A recorded output deleted since is noted.
+#[test]
+fn reproduce_writes_over_nothing_and_leaves_nothing() {
+    let d = temp_dir("reproduce-work-dir");
+    std::fs::copy(fixture("qwen3moe"), d.join("m.gguf")).unwrap();
+    std::fs::copy(corpus(), d.join("c.txt")).unwrap();
+    let calibrate = |extra: &[&str]| {
+        run_ok(Command::new(ours()).current_dir(&d).args(["-m", "m.gguf", "-f", "c.txt", "-c", "128", "-b", "128", "--chunks", "2", "-t", "2", "--no-ppl"]).args(extra))
+    };
+    let reproduce = |args: &[&str]| run(Command::new(ours()).current_dir(&d).arg("reproduce").args(args));
+    for f in ["out", "x", "y", "dn"] {
+        std::fs::create_dir_all(d.join(f)).unwrap();
+    }
+    let listing = |p: &str| {
+        let mut v: Vec<String> = std::fs::read_dir(d.join(p)).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        v.sort();
+        v
+    };
+
+    calibrate(&["-o", "out/i.gguf", "--trace-out", "out/t.bin", "--manifest-out", "out/run.manifest.json"]);
+    let before: Vec<(String, Vec<u8>)> = listing("out").into_iter().map(|f| (f.clone(), read(&d.join("out").join(&f)))).collect();
+    // the run's own folder: the re-run's files go to out/out/…, and only they are removed
+    let out = reproduce(&["out/run.manifest.json", "--work-dir", "out"]);
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let after: Vec<(String, Vec<u8>)> = listing("out").into_iter().map(|f| (f.clone(), read(&d.join("out").join(&f)))).collect();
+    assert!(before == after, "the recorded outputs changed");
+    // an absolute path lands on itself under --work-dir /: refused, nothing touched
+    let abs = d.join("out/i.gguf");
+    calibrate(&["-o", abs.to_str().unwrap(), "--manifest-out", "abs.manifest.json"]);
+    let before = read(&abs);
+    let out = reproduce(&["abs.manifest.json", "--work-dir", "/"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("already holds") && err.contains("i.gguf"), "{err}");
+    assert_eq!(read(&abs), before);
+    let out = reproduce(&["out/run.manifest.json", "--work-dir", "c.txt"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // one file name in two folders, and a device output, into an empty --work-dir
+    calibrate(&["-o", "x/out", "--reap-out", "y/out", "--manifest-out", "two.manifest.json"]);
+    calibrate(&["-o", "/dev/null", "--reap-out", "dn/r.json", "--manifest-out", "dn.manifest.json"]);
+    std::fs::create_dir_all(d.join("wd")).unwrap();
+    for m in ["two.manifest.json", "dn.manifest.json"] {
+        let out = reproduce(&[m, "--work-dir", "wd"]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && text.contains("reproduced: every output is byte-identical"), "{m}: {text}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(listing("wd").is_empty(), "{m}: left {:?}", listing("wd"));
+    }
+
+    // a re-run that fails at once: no folder left behind
+    let mut m: serde_json::Value = serde_json::from_slice(&read(&d.join("two.manifest.json"))).unwrap();
+    m["argv"].as_array_mut().unwrap().push("--no-such-flag".into());
+    std::fs::write(d.join("bad.manifest.json"), serde_json::to_vec(&m).unwrap()).unwrap();
+    let out = reproduce(&["bad.manifest.json", "--work-dir", "fresh"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("it wrote nothing") && !d.join("fresh").exists(), "{err}");
+
+    // a recorded output deleted since
+    std::fs::remove_file(d.join("out/t.bin")).unwrap();
+    let out = reproduce(&["out/run.manifest.json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("out/t.bin (the trace this manifest records) no longer exists"), "{text}");
 }

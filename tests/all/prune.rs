@@ -628,14 +628,20 @@ fn dry_run_checks_everything_and_writes_nothing() {
 
 /// glm4moe's nextn/MTP block (4): calibration never runs it, so select's map covers blocks 1–3.
 /// Without --drop-nextn prune refuses the map, naming the block and both ways on, and writes
-/// nothing. With it the output has no blk.4 tensor and every key as before but expert_count,
-/// loads in upstream llama-perplexity with the original's PPL (all live experts kept), and its
-/// sliced imatrix goes through llama-quantize. A hand-made entry for block 4 prunes that block
-/// too (or, with --drop-nextn, goes with it); a model without a nextn block refuses the flag.
+/// nothing. With it the output is the model as convert_hf_to_gguf.py --no-mtp writes it: no
+/// blk.4 tensor, block_count 4, no nextn_predict_layers, a per-layer array (expert_used_count
+/// here) cut to 4 values, every other key as before but expert_count; it loads in upstream
+/// llama-perplexity with the original's PPL (all live experts kept), and its sliced imatrix
+/// goes through llama-quantize. A hand-made entry for block 4 prunes that block too (or, with
+/// --drop-nextn, goes with it, named or as a trailing plain list); a model without a nextn
+/// block refuses the flag.
 #[test]
 fn a_nextn_block_is_dropped_on_request_or_pruned_by_a_hand_made_entry() {
     let d = temp_dir("prune-nextn");
-    let model = fixture("glm4moe");
+    // one expert_used_count per block, as some converters write it: the loader wants exactly
+    // block_count values
+    let model = d.join("glm-k.gguf");
+    with_per_layer_k(&fixture("glm4moe"), &model, &[4; 5]);
     calibrate(&d, &model);
     run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "imatrix.reap.json", "--method", "reap_mean", "--k", "28", "--out-dir", "maps"]));
     let map = d.join("maps/keep_reap_mean_k28.json");
@@ -653,14 +659,15 @@ fn a_nextn_block_is_dropped_on_request_or_pruned_by_a_hand_made_entry() {
     let in_block4 = |h: &Header| h.tensors.iter().filter(|t| t.name.starts_with("blk.4.")).count();
     assert!(in_block4(&ha) > 0 && ha.tensors.iter().any(|t| t.name == "blk.4.nextn.eh_proj.weight"));
     assert_eq!((in_block4(&hb), hb.tensors.len()), (0, ha.tensors.len() - in_block4(&ha)));
-    assert_eq!(ha.kvs.iter().map(|k| &k.key).collect::<Vec<_>>(), hb.kvs.iter().map(|k| &k.key).collect::<Vec<_>>());
-    for kv in &ha.kvs {
-        if kv.key != "glm4moe.expert_count" {
-            assert_eq!(&a[kv.raw.clone()], &b[hb.kv(&kv.key).unwrap().raw.clone()], "{}", kv.key);
-        }
+    let changed = ["glm4moe.expert_count", "glm4moe.block_count", "glm4moe.nextn_predict_layers", "glm4moe.expert_used_count"];
+    let keys = |h: &Header| h.kvs.iter().map(|k| k.key.clone()).filter(|k| k != "glm4moe.nextn_predict_layers").collect::<Vec<_>>();
+    assert_eq!(keys(&ha), keys(&hb));
+    for kv in ha.kvs.iter().filter(|kv| !changed.contains(&kv.key.as_str())) {
+        assert_eq!(&a[kv.raw.clone()], &b[hb.kv(&kv.key).unwrap().raw.clone()], "{}", kv.key);
     }
-    assert_eq!(hb.uint(&b, "glm4moe.expert_count"), Some(28));
-    assert_eq!((hb.uint(&b, "glm4moe.block_count"), hb.uint(&b, "glm4moe.nextn_predict_layers")), (Some(5), Some(1)));
+    assert_eq!((hb.uint(&b, "glm4moe.expert_count"), hb.uint(&b, "glm4moe.block_count")), (Some(28), Some(4)));
+    assert!(hb.kv("glm4moe.nextn_predict_layers").is_none());
+    assert_eq!(hb.uints(&b, "glm4moe.expert_used_count"), Some(vec![4; 4]));
     // every live expert kept: the trunk computes as before
     assert_eq!(upstream_ppl(&out), upstream_ppl(&model));
     let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "p.imatrix.gguf", "p.gguf", "p.q4_0.gguf", "Q4_0"]));
@@ -679,6 +686,12 @@ fn a_nextn_block_is_dropped_on_request_or_pruned_by_a_hand_made_entry() {
     assert!(upstream_ppl(&d.join("h.gguf")).is_finite());
     prune_ok(&model, &hand, &d.join("h2.gguf"), &["--drop-nextn"]);
     assert_same_bytes(&out, &d.join("h2.gguf"));
+    // the same map as plain lists, one per MoE block in order: the trailing one goes too
+    let v: Value = serde_json::from_slice(&read(&hand)).unwrap();
+    let lists: Vec<Value> = v["layers"].as_array().unwrap().iter().map(|l| l["keep"].clone()).collect();
+    let plain4 = write_map(&d.join("plain4.json"), json!({"method": "test", "k": 28, "layers": lists}));
+    prune_ok(&model, &plain4, &d.join("h3.gguf"), &["--drop-nextn"]);
+    assert_same_bytes(&out, &d.join("h3.gguf"));
 
     let plain = d.join("plain.json");
     write_map(&plain, map_json(&keep_all()));

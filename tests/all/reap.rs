@@ -375,6 +375,8 @@ fn independent_computation(arch: &str, normalised: bool) {
         assert!(rel(router_p[e], lay.router_prob_sum[e]) < 1e-5, "{arch} expert {e}: router_prob_sum {} vs independent {}", lay.router_prob_sum[e], router_p[e]);
     }
     assert_eq!(s.routing().probs_from_logits, Some(gpt_oss), "{arch}: metadata.routing.probs_from_logits");
+    // -b 64 caps the ubatch (512 asked): the effective size is recorded, as ctx and batch are
+    assert_eq!((s.metadata["run"]["batch"].as_u64(), s.metadata["run"]["ubatch"].as_u64()), (Some(64), Some(64)), "{arch}");
     assert_eq!(s.routing().probs_op.as_deref() == Some("SOFT_MAX"), !gpt_oss && !sigmoid, "{arch}: metadata.routing.probs_op");
     assert_eq!(s.routing().normalised, Some(normalised), "{arch}: metadata.routing.normalised");
 

@@ -241,6 +241,100 @@ fn keep_map_forced_misses_and_the_in_sample_note() {
     assert_eq!(o.status.code(), Some(2));
 }
 
+/// A saliency JSON of `tokens` tokens (all of them traced), one entry per block; with
+/// `trace_top_n` it records the run's `--trace-top-n` as a calibration does.
+fn write_saliency(path: &Path, blocks: &[u32], n_expert: usize, k: usize, tokens: u64, trace_top_n: Option<u64>) {
+    let layers = blocks
+        .iter()
+        .map(|&b| {
+            let mut l = LayerSums::new(b, n_expert, k);
+            l.count = (0..n_expert as u64).map(|e| n_expert as u64 - e).collect();
+            l.reap_l2_sum = l.count.iter().map(|&c| c as f64).collect();
+            l.reap_l2_sq_sum = l.reap_l2_sum.clone();
+            l.tokens = tokens;
+            l
+        })
+        .collect();
+    let mut metadata = serde_json::Map::new();
+    if let Some(n) = trace_top_n {
+        metadata.insert("run".into(), serde_json::json!({"trace_top_n": n}));
+    }
+    Saliency { tokens, nonfinite_drops: 0, trace_tokens_written: tokens, metadata, layers, ..Default::default() }.write(path).unwrap();
+}
+
+/// `--reap` is read as a saliency JSON of the trace's model: another file, or one of another
+/// layout, is refused; and a run that traced another top-N did not write this trace.
+#[test]
+fn reap_is_checked_against_the_trace() {
+    let d = temp_dir("replay-reap-check");
+    // block 0, 6 experts, k = 2, top-N 3, 4 rows
+    let rows: Vec<Vec<(Vec<u16>, Vec<u16>)>> =
+        [[0u16, 1, 2], [4, 5, 0], [1, 0, 3], [5, 4, 3]].iter().map(|c| vec![(c[..2].to_vec(), c.to_vec())]).collect();
+    let trace = d.join("t.trace");
+    write_trace(&trace, &[0], 6, 2, 3, &rows);
+    // a keep map fitted on `sal` (its source sha256), replayed with --reap `reap`
+    let replay_with = |name: &str, sal: &Path, reap: &Path| {
+        let maps = d.join(format!("maps-{name}"));
+        run_ok(Command::new(ours()).args(["select", "--reap"]).arg(sal).args(["--method", "frequency", "--k", "4", "--out-dir"]).arg(&maps));
+        let out = d.join(format!("{name}.json"));
+        let _ = std::fs::remove_file(&out);
+        let map = maps.join("keep_frequency_k4.json");
+        let o = replay(&["--trace", s(&trace), "--policy", "lru", "--capacity", "2", "--keep-map", s(&map), "--reap", s(reap), "--json", s(&out)]);
+        (o, out)
+    };
+    let good = d.join("good.reap.json");
+    write_saliency(&good, &[0], 6, 2, 4, Some(3));
+    let (o, out) = replay_with("good", &good, &good);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(json(&out)["validity"]["same_run"], "confirmed");
+
+    // refused, naming the file, and nothing written
+    for (name, layers, ne, k, want) in [
+        ("two-layers", &[0u32, 1][..], 6, 2, "its MoE layers [0, 1] are not the trace's [0]"),
+        ("other-experts", &[0], 8, 2, "8 experts, k = 2 in layer 0; the trace has 6 experts per layer, k = 2"),
+        ("other-k", &[0], 6, 3, "6 experts, k = 3 in layer 0; the trace has 6 experts per layer, k = 2"),
+    ] {
+        let bad = d.join(format!("{name}.reap.json"));
+        write_saliency(&bad, layers, ne, k, 4, Some(3));
+        let (o, out) = replay_with(name, &good, &bad);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+        assert!(err.contains(&format!("--reap {}: {want}", bad.display())), "{name}: {err}");
+        assert!(!out.exists(), "{name}");
+    }
+    let (o, out) = replay_with("trace", &good, &trace);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("--reap {}: not a saliency JSON", trace.display())), "{err}");
+    assert!(!out.exists());
+
+    // the map's source, but its run traced the top-2: not this trace's run
+    let top2 = d.join("top2.reap.json");
+    write_saliency(&top2, &[0], 6, 2, 4, Some(2));
+    let (o, out) = replay_with("top2", &top2, &top2);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("traced the top-2 candidates and this trace holds the top-3"), "{err}");
+    assert_eq!(json(&out)["validity"]["same_run"], "unknown");
+
+    // a run asked for more candidates than there are experts traces them all: still its trace
+    let all = d.join("all.trace");
+    let wide: Vec<Vec<(Vec<u16>, Vec<u16>)>> = rows
+        .iter()
+        .map(|r| r.iter().map(|(s, _)| (s.clone(), s.iter().copied().chain((0..6).filter(|e| !s.contains(e))).collect())).collect())
+        .collect();
+    write_trace(&all, &[0], 6, 2, 6, &wide);
+    let top64 = d.join("top64.reap.json");
+    write_saliency(&top64, &[0], 6, 2, 4, Some(64));
+    let maps = d.join("maps-top64");
+    run_ok(Command::new(ours()).args(["select", "--reap"]).arg(&top64).args(["--method", "frequency", "--k", "4", "--out-dir"]).arg(&maps));
+    let out = d.join("top64.json");
+    let map = maps.join("keep_frequency_k4.json");
+    let o = replay(&["--trace", s(&all), "--policy", "lru", "--capacity", "2", "--keep-map", s(&map), "--reap", s(&top64), "--json", s(&out)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(json(&out)["validity"]["same_run"], "confirmed");
+}
+
 #[test]
 fn capacity_in_mib_uses_the_models_expert_bytes() {
     let d = temp_dir("replay-mib");
@@ -301,6 +395,13 @@ fn replay_usage_errors_exit_2() {
         let o = replay(&args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
     }
+    // --reap without --keep-map, --model without --capacity-mib: each would be ignored
+    for (flag, needs) in [("--reap", "--keep-map"), ("--model", "--capacity-mib")] {
+        let o = replay(&["--trace", s(&trace), "--policy", "lru", "--capacity", "2", flag, s(&missing)]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{flag}: {err}");
+        assert!(err.contains(&format!("{flag} {}: needs {needs}", missing.display())), "{flag}: {err}");
+    }
     // a damaged trace naming an expert past n_expert is refused, not indexed
     let bad = d.join("bad.trace");
     write_trace(&bad, &[0], 4, 1, 1, &[vec![(vec![1], vec![1])], vec![(vec![7], vec![7])]]);
@@ -309,4 +410,15 @@ fn replay_usage_errors_exit_2() {
         assert_eq!(o.status.code(), Some(2), "{p}");
         assert!(String::from_utf8_lossy(&o.stderr).contains("row 1"), "{}", String::from_utf8_lossy(&o.stderr));
     }
+}
+
+/// `replay | head`: the reader goes away before the report is printed; replay still writes its
+/// JSON and exits 0, without a panic.
+#[test]
+fn report_into_a_closed_pipe_exits_quietly() {
+    let d = temp_dir("replay-pipe");
+    let (trace, out) = (d.join("t.trace"), d.join("r.json"));
+    cyclic(&trace, &[0, 1], 4, 200);
+    run_ok_into_closed_pipe(Command::new(ours()).args(["replay", "--trace", s(&trace), "--policy", "lru,lfu", "--capacity", "2,3,4", "--json", s(&out)]));
+    assert_eq!(json(&out)["format"], "reap-replay");
 }

@@ -154,6 +154,15 @@ fn select_refuses_bad_input_with_exit_2() {
     std::fs::write(d.join("bad.json"), b"{\"format\": \"reap-saliency\"").unwrap();
     let out = select(&["--reap", d.join("bad.json").to_str().unwrap(), "--method", "frequency", "--k", "8", "--out-dir", o]);
     assert_eq!(out.status.code(), Some(2));
+    // --domain-weights on a file without domains, or without reap_l2_sum among the methods
+    for (method, want) in [("reap_l2_sum", "no per-domain sums"), ("frequency", "applies to --method reap_l2_sum")] {
+        let out = select(&["--reap", s, "--method", method, "--k", "8", "--out-dir", o, "--domain-weights", "a=1"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{method}: {err}");
+        assert!(err.contains(want), "{method}: {err}");
+    }
+    // no refusal leaves an --out-dir behind
+    assert!(!out_dir.exists());
 }
 
 #[test]
@@ -232,6 +241,34 @@ fn substitution_screen_counts_pruned_slots_and_lost_probability() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("8 experts per layer, k = 3; the saliency file has 8 experts, k = 2"), "{err}");
+    // a damaged trace (an expert id past n_expert) is refused as replay refuses it, before any
+    // file is written; a pick and a candidate past the end are each caught
+    let h = TraceHeader { layers: vec![2], n_expert: 8, k: 2, top_n: 3, n_tokens: 0, flags: FLAG_NORMALISED };
+    for (name, sel, cand) in [("bad-pick", [0u16, 9], [0u16, 9, 1]), ("bad-cand", [0, 1], [0, 1, 40])] {
+        let bad = d.join(format!("{name}.trace"));
+        let mut f = TraceFile::create(&bad, h.clone()).unwrap();
+        let mut buf = Vec::new();
+        for (t, (sel, cand)) in [([0u16, 1], [0u16, 1, 2]), (sel, cand)].iter().enumerate() {
+            let rd = RowData { chunk: 0, pos: t as u32, token: 0, phase: 0, sel_weight: &[0.5, 0.5], cand_prob: &[0.5, 0.3, 0.1], sel_id: sel, cand_id: cand };
+            layout.encode(&rd, &mut buf);
+        }
+        f.append(&buf, 2).unwrap();
+        drop(f);
+        let fresh = d.join(format!("o-{name}"));
+        let out = run(Command::new(ours())
+            .args(["select", "--reap"])
+            .arg(&sal)
+            .args(["--method", "frequency", "--k", "4", "--trace"])
+            .arg(&bad)
+            .arg("--out-dir")
+            .arg(&fresh));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {err}");
+        let id = if name == "bad-pick" { 9 } else { 40 };
+        let want = format!("--trace {}: row 1, MoE layer slot 0: expert id {id} is not below n_expert 8 (damaged trace)", bad.display());
+        assert!(err.contains(&want), "{name}: {err}");
+        assert!(!fresh.exists(), "{name}");
+    }
 }
 
 /// A saliency file with two domains: "en" routes to experts 0–3, "ja" to experts 4–7 (8 experts,
@@ -291,4 +328,48 @@ fn domains_in_the_report_and_domain_weights() {
     let out = select(&["--reap", p.to_str().unwrap(), "--method", "reap_l2_sum", "--k", "4", "--out-dir", out_dir.to_str().unwrap(), "--domain-weights", "fr=2"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no domain fr"));
+}
+
+/// reap_shrink's median prior μ and pseudo-count m, per layer, in the keep map's parameters and
+/// the report (μ is null in the report under --prior lcb, which has no prior).
+#[test]
+fn shrink_prior_and_m_are_recorded_per_layer() {
+    let d = temp_dir("select-prior");
+    let layers = vec![skewed_layer(0, 16, &[3]), skewed_layer(4, 16, &[])];
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+    };
+    let want_mu: Vec<f64> =
+        layers.iter().map(|l| median((0..16).filter(|&i| l.count[i] > 0).map(|i| l.reap_l2_sum[i] / l.count[i] as f64).collect())).collect();
+    let want_m: Vec<f64> = layers.iter().map(|l| median(l.count.iter().filter(|&&c| c > 0).map(|&c| c as f64).collect())).collect();
+    let sal = write_saliency(&d, layers, 0);
+    let out_dir = d.join("median");
+    run_ok(Command::new(ours()).args(["select", "--reap"]).arg(&sal).args(["--method", "reap_shrink,reap_hybrid", "--k", "8", "--out-dir"]).arg(&out_dir));
+    let nums = |v: &Value| -> Vec<f64> { v.as_array().unwrap_or_else(|| panic!("{v}")).iter().map(|x| x.as_f64().unwrap()).collect() };
+    for m in ["reap_shrink", "reap_hybrid"] {
+        let p = &json(&out_dir.join(format!("keep_{m}_k8.json")))["parameters"];
+        assert_eq!(nums(&p["shrink_prior_per_layer"]), want_mu, "{m}");
+        assert_eq!(nums(&p["shrink_m_per_layer"]), want_m, "{m}");
+    }
+    let r = json(&out_dir.join("select_report.json"));
+    let per_layer = |key: &str| -> Vec<Value> { r["layers"].as_array().unwrap().iter().map(|l| l[key].clone()).collect() };
+    assert_eq!(nums(&Value::Array(per_layer("shrink_prior"))), want_mu);
+    assert_eq!(nums(&Value::Array(per_layer("shrink_m"))), want_m);
+    let out_dir = d.join("lcb");
+    run_ok(Command::new(ours()).args(["select", "--reap"]).arg(&sal).args(["--method", "reap_shrink", "--k", "8", "--prior", "lcb", "--out-dir"]).arg(&out_dir));
+    let r = json(&out_dir.join("select_report.json"));
+    assert!(r["layers"].as_array().unwrap().iter().all(|l| l["shrink_prior"].is_null()), "{}", r["layers"]);
+}
+
+/// `select | head`: the reader goes away before the report is printed; the files are written
+/// and select exits 0, without a panic.
+#[test]
+fn report_into_a_closed_pipe_exits_quietly() {
+    let d = temp_dir("select-pipe");
+    let sal = write_saliency(&d, vec![skewed_layer(0, 24, &[5]), skewed_layer(1, 24, &[])], 0);
+    let out_dir = d.join("o");
+    run_ok_into_closed_pipe(Command::new(ours()).args(["select", "--reap"]).arg(&sal).args(["--method", METHODS, "--k", "8,12,16", "--per-layer", "--out-dir"]).arg(&out_dir));
+    assert!(out_dir.join("select_report.json").is_file());
 }

@@ -222,3 +222,14 @@ pub fn gguf_string(s: &str) -> Vec<u8> {
     v.extend_from_slice(s.as_bytes());
     v
 }
+
+/// Runs `cmd` with its stdout a pipe whose reader is gone (as in `cmd | head` after head
+/// exits): the command must still finish its work, exit 0 and not panic.
+pub fn run_ok_into_closed_pipe(cmd: &mut Command) -> Output {
+    let mut child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !err.contains("panicked"), "{}: {err}", o.status);
+    o
+}

@@ -42,9 +42,10 @@ pub struct PruneArgs {
     #[arg(long = "dry-run")]
     pub dry_run: bool,
     /// Leave the model's nextn/MTP blocks out (GLM-4.5/4.6, DeepSeek-V3: `nextn_predict_layers`):
-    /// calibration never runs them, so select's maps have no entry for them. The output is a
-    /// trunk-only GGUF (every other key unchanged), which llama.cpp loads since its MTP support;
-    /// speculative decoding then needs a separate MTP GGUF
+    /// calibration never runs them, so select's maps have no entry for them. The output is the
+    /// model without them, as convert_hf_to_gguf.py --no-mtp writes it (block_count of the
+    /// trunk, no nextn_predict_layers, per-layer arrays cut to the trunk); speculative decoding
+    /// then needs a separate MTP GGUF
     #[arg(long = "drop-nextn")]
     pub drop_nextn: bool,
 }
@@ -219,6 +220,27 @@ fn check_map(map: &KeepMap, path: &Path, blocks: &[u32], n_expert: u64, n_used: 
     Ok(map.layers.iter().map(|l| l.keep.clone()).collect())
 }
 
+/// The pairs that change when the last `n_nextn` blocks go, as the converter's `--no-mtp`
+/// writes the model (every loader takes that layout; a trunk-only file that keeps
+/// `nextn_predict_layers` loads only where the arch's loader makes the nextn tensors optional):
+/// `block_count` of the trunk, no `nextn_predict_layers`, and each `<arch>.*` array of one
+/// value per block cut to the trunk's. (key, new pair bytes, or None to remove it).
+fn no_mtp_kvs(h: &Header, b: &[u8], arch: &str, n_nextn: u64) -> Result<Vec<(String, Option<Vec<u8>>)>, String> {
+    let count_key = format!("{arch}.block_count");
+    let total = h.uint(b, &count_key).ok_or_else(|| format!("no {count_key}"))?;
+    let trunk = total - n_nextn;
+    let mut out = vec![
+        (count_key.clone(), Some(Header::encode_uint(h.kv(&count_key).unwrap(), trunk)?)),
+        (format!("{arch}.nextn_predict_layers"), None),
+    ];
+    for kv in h.kvs.iter().filter(|kv| kv.key.starts_with(&format!("{arch}."))) {
+        if h.array_len(b, &kv.key) == Some(total) {
+            out.push((kv.key.clone(), Some(Header::encode_array_prefix(kv, b, trunk)?)));
+        }
+    }
+    Ok(out)
+}
+
 /// Prunes `opts.model` by `opts.keep_map` into `opts.out` (and the imatrix, if given).
 /// Bad inputs are `UsageError`s, raised before anything is written.
 pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
@@ -255,26 +277,32 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         return Err(usage(format!("--drop-nextn: -m {model_arg} has no nextn/MTP block (no {arch}.nextn_predict_layers)")));
     }
     let kept_tensor = |name: &str| plan::block_of(name).is_none_or(|n| !dropped.contains(&n));
-    let blocks: Vec<u32> = plan::moe_blocks(h).into_iter().filter(|b| !dropped.contains(b)).collect();
+    let all_moe = plan::moe_blocks(h);
+    let blocks: Vec<u32> = all_moe.iter().copied().filter(|b| !dropped.contains(b)).collect();
     if blocks.is_empty() {
         return Err(usage(format!("-m {model_arg}: no MoE layer (no blk.N.ffn_gate_inp.weight)")));
     }
     // a map from select covers the trunk only: the nextn blocks are never run
     let nextn_moe: Vec<u32> = blocks.iter().copied().filter(|b| nextn.contains(b)).collect();
-    let map_blocks: Vec<u32> = map.layers.iter().filter_map(|l| l.layer).collect();
+    let mut map_blocks: Vec<u32> = map.layers.iter().filter_map(|l| l.layer).collect();
+    map_blocks.sort_unstable();
     let trunk: Vec<u32> = blocks.iter().copied().filter(|b| !nextn.contains(b)).collect();
     if !nextn_moe.is_empty() && map.layers.len() == trunk.len() && (map_blocks.is_empty() || map_blocks == trunk) {
         return Err(usage(format!(
             "--keep-map {}: no entry for the model's nextn/MTP block {nextn_moe:?} (calibration never runs it, so select's maps cover \
-             the trunk {trunk:?} only): pass --drop-nextn to leave the block out (a trunk-only model), or add \
+             the trunk {trunk:?} only): pass --drop-nextn to leave the block out (the model as convert_hf_to_gguf.py --no-mtp writes it), or add \
              {{\"layer\": {}, \"keep\": [...]}} to the map to prune its experts too",
             opts.keep_map.display(),
             nextn_moe[0]
         )));
     }
     let mut map = map;
-    // with --drop-nextn, a hand-made entry for a dropped block goes with it
+    // with --drop-nextn, a hand-made entry for a dropped block goes with it: named, or (a map
+    // of plain lists, one per MoE block in order) the trailing entries
     map.layers.retain(|l| l.layer.is_none_or(|n| !dropped.contains(&n)));
+    if opts.drop_nextn && map.layers.iter().all(|l| l.layer.is_none()) && map.layers.len() == all_moe.len() {
+        map.layers.truncate(blocks.len());
+    }
     let keep = check_map(&map, &opts.keep_map, &blocks, n_expert, n_used)?;
     let k = keep[0].len();
     if let Some(want) = map.model.as_ref().and_then(|m| m.sha256.as_deref()) {
@@ -294,7 +322,18 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let tensors_dropped = tensors_dropped - steps.len();
     let count_kv = h.kv(&count_key).unwrap();
     let new_count = Header::encode_uint(count_kv, k as u64).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
-    let kvs: Vec<&[u8]> = h.kvs.iter().map(|kv| if kv.key == count_key { &new_count[..] } else { &b[kv.raw.clone()] }).collect();
+    let mut replaced: Vec<(String, Option<Vec<u8>>)> = vec![(count_key.clone(), Some(new_count))];
+    if opts.drop_nextn {
+        replaced.extend(no_mtp_kvs(h, b, &arch, nextn.len() as u64).map_err(|e| usage(format!("-m {model_arg}: --drop-nextn: {e}")))?);
+    }
+    let kvs: Vec<&[u8]> = h
+        .kvs
+        .iter()
+        .filter_map(|kv| match replaced.iter().find(|(key, _)| *key == kv.key) {
+            Some((_, new)) => new.as_deref(),
+            None => Some(&b[kv.raw.clone()]),
+        })
+        .collect();
 
     // the imatrix: parsed and planned before anything is written
     let imatrix = match &opts.imatrix {

@@ -225,8 +225,9 @@ pub fn next_uses(trace: &TraceReader, rows: &Rows, shape: Shape, keep: Option<&[
 }
 
 /// A trace naming an expert id ≥ n_expert is damaged: say where instead of indexing past.
+/// (`select --trace` refuses such a trace with the same words.)
 #[inline]
-fn check_ids(ids: &[u16], ne: usize, row: u64, li: usize) -> Result<()> {
+pub fn check_ids(ids: &[u16], ne: usize, row: u64, li: usize) -> Result<()> {
     if let Some(e) = ids.iter().find(|&&e| e as usize >= ne) {
         bail!("row {row}, MoE layer slot {li}: expert id {e} is not below n_expert {ne} (damaged trace)");
     }

@@ -16,6 +16,7 @@ mod tests;
 use crate::analyze::select::keep_map::{sha256_hex, KeepMap};
 use crate::error::UsageError;
 use crate::formats::atomic;
+use crate::formats::saliency::Saliency;
 use crate::formats::trace::TraceReader;
 use anyhow::{anyhow, Result};
 use engine::{Family, Forced, Rows, Shape, SimCounts};
@@ -251,6 +252,16 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         return Ok(0);
     }
     let trace_path = args.trace.as_ref().expect("clap requires --trace");
+    // each is read only for what another flag asks: alone it would be ignored without a word
+    if let (Some(r), None) = (&args.reap, &args.keep_map) {
+        return Err(usage(format!(
+            "--reap {}: needs --keep-map (the saliency JSON only tells whether a keep map was fitted on this trace's run)",
+            r.display()
+        )));
+    }
+    if let (Some(m), true) = (&args.model, args.capacity_mib.is_empty()) {
+        return Err(usage(format!("--model {}: needs --capacity-mib (the model is read only for the experts' byte sizes)", m.display())));
+    }
     // a replay of a long trace takes a while: a --json it cannot write fails now, not after it
     if let Some(out) = &args.json {
         atomic::check_writable(out).map_err(|e| usage(format!("--json {e}")))?;
@@ -414,7 +425,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         near_pick_n,
         &warnings,
     );
-    print!("{text}");
+    crate::analyze::select::print_stdout(&text)?;
     if let Some(out) = &args.json {
         let mut s = serde_json::to_string_pretty(&json)?;
         s.push('\n');
@@ -458,6 +469,7 @@ fn keep_flags(path: &Path, m: &KeepMap, blocks: &[u32], ne: usize, k: usize, war
 /// The map's saliency file covers the first `source.tokens` tokens of its run, and a trace holds
 /// the first tokens of its run, so rows below `source.tokens` of the same run are in-sample.
 fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, rows: &Range<u64>, visit: &Rows) -> Result<(Value, String)> {
+    let reap = reap.map(|r| read_reap(r, trace)).transpose()?;
     let Some(src) = &m.source else {
         let note = format!(
             "keep map {} records no source: cannot tell whether these rows are in-sample (replaying a map on the tokens it was fitted on is in-sample)",
@@ -480,13 +492,19 @@ fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, 
             note,
         ));
     }
+    let h = &trace.header;
     let (same_run, why) = match reap {
-        Some(r) => {
-            let bytes = std::fs::read(r).map_err(|e| usage(format!("--reap {}: {e}", r.display())))?;
-            if sha256_hex(&bytes) != src.sha256 {
+        Some((sha, top_n)) => {
+            if sha != src.sha256 {
                 ("different", "--reap is not the keep map's source file, so the map was fitted on another run (or another checkpoint)".to_string())
             } else if src.trace_tokens_written == 0 {
                 ("unknown", "--reap is the keep map's source, but that run wrote no trace: this trace is another run's".to_string())
+            } else if let Some(n) = top_n.filter(|&n| n != h.top_n as u64) {
+                let why = format!(
+                    "--reap is the keep map's source, but that run traced the top-{n} candidates and this trace holds the top-{}: another run's trace",
+                    h.top_n
+                );
+                ("unknown", why)
             } else if trace.n_rows >= src.trace_tokens_written {
                 // a JSON of a checkpoint counts fewer rows than its run's trace goes on to hold
                 ("confirmed", "--reap has the keep map's source sha256".to_string())
@@ -549,6 +567,36 @@ fn validity(path: &Path, m: &KeepMap, reap: Option<&Path>, trace: &TraceReader, 
         }),
         note,
     ))
+}
+
+/// `--reap`: a saliency JSON of the trace's model (its MoE layers, experts and k; refused
+/// otherwise), as its sha256 and the top-N its run traced (None where the file does not record
+/// it).
+fn read_reap(r: &Path, trace: &TraceReader) -> Result<(String, Option<u64>)> {
+    let bytes = std::fs::read(r).map_err(|e| usage(format!("--reap {}: {e}", r.display())))?;
+    let sal = serde_json::from_slice::<Value>(&bytes)
+        .map_err(|e| anyhow!("not valid JSON: {e}"))
+        .and_then(|v| Saliency::from_json(&v))
+        .map_err(|e| usage(format!("--reap {}: not a saliency JSON: {e:#}", r.display())))?;
+    let h = &trace.header;
+    let blocks: Vec<u32> = sal.layers.iter().map(|l| l.layer).collect();
+    if blocks != h.layers {
+        return Err(usage(format!("--reap {}: its MoE layers {blocks:?} are not the trace's {:?}", r.display(), h.layers)));
+    }
+    if let Some(l) = sal.layers.iter().find(|l| l.n_expert != h.n_expert as usize || l.n_expert_used != h.k as usize) {
+        return Err(usage(format!(
+            "--reap {}: {} experts, k = {} in layer {}; the trace has {} experts per layer, k = {}",
+            r.display(),
+            l.n_expert,
+            l.n_expert_used,
+            l.layer,
+            h.n_expert,
+            h.k
+        )));
+    }
+    // the run records the --trace-top-n asked for; its trace holds at most n_expert candidates
+    let top_n = sal.metadata.get("run").and_then(|r| r.get("trace_top_n")).and_then(Value::as_u64).map(|n| n.min(h.n_expert as u64));
+    Ok((sha256_hex(&bytes), top_n))
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -205,7 +205,17 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
             Some(t)
         }
     };
-    std::fs::create_dir_all(&args.out_dir).map_err(|e| usage(format!("--out-dir {}: {e}", args.out_dir.display())))?;
+    // refusals come before anything is written: no empty --out-dir is left behind
+    let reweighted = match &args.domain_weights {
+        None => None,
+        Some(spec) => {
+            if !methods.contains(&Method::ReapL2Sum) {
+                return Err(usage("--domain-weights applies to --method reap_l2_sum, which is not among the methods".into()));
+            }
+            let w = domains::parse_weights(spec, &sal).map_err(usage)?;
+            Some((domains::weighted(&sal, &w), w))
+        }
+    };
 
     let prior = match args.prior {
         PriorArg::Median => Prior::Median,
@@ -227,16 +237,6 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
     });
 
     // ---- keep sets (reap_l2_sum over the reweighted domains with --domain-weights)
-    let reweighted = match &args.domain_weights {
-        None => None,
-        Some(spec) => {
-            if !methods.contains(&Method::ReapL2Sum) {
-                return Err(usage("--domain-weights applies to --method reap_l2_sum, which is not among the methods".into()));
-            }
-            let w = domains::parse_weights(spec, &sal).map_err(usage)?;
-            Some((domains::weighted(&sal, &w), w))
-        }
-    };
     let sets: Vec<Vec<Vec<Vec<u16>>>> = methods
         .iter()
         .map(|&m| match (&reweighted, m) {
@@ -245,7 +245,30 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
         })
         .collect();
 
+    // ---- screen (one pass for all maps), before any file: a damaged trace is refused
+    let screened = match (&trace, &args.trace) {
+        (Some(t), Some(p)) => {
+            let ne = t.header.n_expert as usize;
+            let keeps: Vec<Vec<bool>> = sets
+                .iter()
+                .flat_map(|per_k| per_k.iter())
+                .map(|layers| {
+                    let mut f = vec![false; layers.len() * ne];
+                    for (li, keep) in layers.iter().enumerate() {
+                        for &e in keep {
+                            f[li * ne + e as usize] = true;
+                        }
+                    }
+                    f
+                })
+                .collect();
+            Some(screen::screen(t, &keeps).map_err(|e| usage(format!("--trace {}: {e:#}", p.display())))?)
+        }
+        _ => None,
+    };
+
     // ---- maps
+    std::fs::create_dir_all(&args.out_dir).map_err(|e| usage(format!("--out-dir {}: {e}", args.out_dir.display())))?;
     let mut written = Vec::new();
     for (mi, &m) in methods.iter().enumerate() {
         for (ki, &k) in ks.iter().enumerate() {
@@ -274,34 +297,30 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
         }
     }
 
-    // ---- screen (one pass for all maps)
-    let screened = trace.as_ref().map(|t| {
-        let ne = t.header.n_expert as usize;
-        let keeps: Vec<Vec<bool>> = sets
-            .iter()
-            .flat_map(|per_k| per_k.iter())
-            .map(|layers| {
-                let mut f = vec![false; layers.len() * ne];
-                for (li, keep) in layers.iter().enumerate() {
-                    for &e in keep {
-                        f[li * ne + e as usize] = true;
-                    }
-                }
-                f
-            })
-            .collect();
-        screen::screen(t, &keeps)
-    });
-
     // ---- report
     let (text, report) = build_report(args, &sal, &source, &methods, &ks, &params, &sets, screened.as_deref(), trace.as_ref());
     let mut out = serde_json::to_string_pretty(&report)?;
     out.push('\n');
     let report_path = args.out_dir.join("select_report.json");
     atomic::write_bytes(&report_path, out.as_bytes())?;
-    print!("{text}");
-    println!("wrote {} keep maps and {} to {}", written.len(), report_path.file_name().unwrap().to_string_lossy(), args.out_dir.display());
+    print_stdout(&format!(
+        "{text}wrote {} keep maps and {} to {}\n",
+        written.len(),
+        report_path.file_name().unwrap().to_string_lossy(),
+        args.out_dir.display()
+    ))?;
     Ok(0)
+}
+
+/// Prints a report on stdout. A reader that has gone (`| head`) ends the printing quietly
+/// instead of a panic: the files are written either way.
+pub fn print_stdout(text: &str) -> Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(anyhow!("stdout: {e}")),
+        _ => Ok(()),
+    }
 }
 
 pub fn map_file_name(m: Method, k: usize) -> String {
@@ -323,6 +342,7 @@ fn method_parameters(m: Method, p: &Params, sal: &Saliency) -> Value {
                     None => json!("median live count"),
                 };
                 v["shrink_m_per_layer"] = json!(sal.layers.iter().map(|l| score::shrink_m(l, p)).collect::<Vec<f64>>());
+                v["shrink_prior_per_layer"] = json!(sal.layers.iter().map(|l| score::prior_value(l, p.prior)).collect::<Vec<_>>());
             }
         }
     }
@@ -618,6 +638,8 @@ fn build_report(
             "live_experts": l.count.iter().filter(|&&c| c > 0).count(),
             "dead_experts": (0..l.n_expert).filter(|&i| l.count[i] == 0).collect::<Vec<_>>(),
             "shrink_m": score::shrink_m(l, params),
+            // μ of reap_shrink's median prior (null under lcb, which has none)
+            "shrink_prior": score::prior_value(l, params.prior),
         })).collect::<Vec<_>>(),
         "maps": maps_json,
         "overlap": overlap_json,

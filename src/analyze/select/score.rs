@@ -187,12 +187,13 @@ pub fn scores(l: &LayerSums, method: Method, p: &Params) -> Vec<f64> {
         Method::EanSum => l.ean_sum.clone(),
         Method::ReapShrink => shrink_scores(l, p),
         Method::ReapHybrid => {
-            // dead experts rank last under both: the median prior gives a dead expert the prior
-            // itself, which would rank it above every live expert below the prior and move
-            // those experts' ranks by the number of dead ones
-            let shrink: Vec<f64> = shrink_scores(l, p).into_iter().zip(&l.count).map(|(s, &c)| if c == 0 { f64::NEG_INFINITY } else { s }).collect();
-            let a = average_ranks(&l.reap_l2_sum);
-            let b = average_ranks(&shrink);
+            // dead experts rank last under both, below every live one: the median prior gives a
+            // dead expert the prior itself, above every live expert below the prior, and a dead
+            // expert's reap_l2_sum of 0 ties with a live expert's 0; either way the live
+            // experts' ranks would move with the number of dead ones
+            let dead_last = |v: Vec<f64>| -> Vec<f64> { v.into_iter().zip(&l.count).map(|(s, &c)| if c == 0 { f64::NEG_INFINITY } else { s }).collect() };
+            let a = average_ranks(&dead_last(l.reap_l2_sum.clone()));
+            let b = average_ranks(&dead_last(shrink_scores(l, p)));
             a.iter().zip(&b).map(|(x, y)| -(x + y) / 2.0).collect()
         }
         Method::ReapSoftmaxMean => per_count(l, &softmax_sums(l)),
@@ -371,6 +372,25 @@ mod tests {
             flipped += (a != b) as usize;
         }
         assert_eq!(flipped, 0, "live orders that changed with 6 dead experts added, of 50 layers");
+    }
+
+    /// A live expert whose reap_l2_sum is 0 ranks above the dead experts under reap_l2_sum
+    /// too, so adding dead experts does not change which live experts reap_hybrid keeps.
+    #[test]
+    fn hybrid_live_expert_with_zero_l2_sum_ignores_dead_ones() {
+        let p = Params { prior: Prior::Median, shrink_m: None, min_count: 0 };
+        let keep = |n_dead: usize| {
+            let mut l = LayerSums::new(0, 5 + n_dead, 1);
+            l.count[..5].copy_from_slice(&[1, 1000, 100, 100, 100]);
+            l.reap_l2_sum[..5].copy_from_slice(&[0.0, 10.0, 100.0, 120.0, 80.0]);
+            keep_set(&order(&l, &scores(&l, Method::ReapHybrid, &p), 0), 4)
+        };
+        // expert 0 ranks 5th under reap_l2_sum and 4th under the shrink, expert 1 4th and
+        // 5th: a tie, broken by id
+        assert_eq!(keep(0), vec![0, 2, 3, 4]);
+        for n_dead in [1, 3, 10] {
+            assert_eq!(keep(n_dead), vec![0, 2, 3, 4], "{n_dead} dead experts");
+        }
     }
 
     #[test]

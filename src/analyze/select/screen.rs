@@ -2,7 +2,9 @@
 //! layer: how many of the model's top-k slots pick a pruned expert and how much gate weight
 //! and router probability those slots carried.
 
+use crate::analyze::replay::engine::check_ids;
 use crate::formats::trace::TraceReader;
+use anyhow::Result;
 
 /// Sums for one keep map and one layer.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -47,15 +49,19 @@ fn ratio(a: f64, b: f64) -> f64 {
     }
 }
 
-/// `keeps[m]` is map m's keep flags, `n_layers × n_expert`, layer-major. Returns `[m][layer]`.
-pub fn screen(trace: &TraceReader, keeps: &[Vec<bool>]) -> Vec<Vec<ScreenLayer>> {
+/// `keeps[m]` is map m's keep flags, `n_layers × n_expert`, layer-major. Returns `[m][layer]`,
+/// or an error for a damaged trace (an expert id ≥ n_expert), as `replay` gives.
+pub fn screen(trace: &TraceReader, keeps: &[Vec<bool>]) -> Result<Vec<Vec<ScreenLayer>>> {
     let h = &trace.header;
     let (nl, ne, k) = (h.n_layers(), h.n_expert as usize, h.k as usize);
     let mut out = vec![vec![ScreenLayer::default(); nl]; keeps.len()];
     let mut probs = vec![0f32; k];
-    for row in trace.rows() {
+    for (t, row) in trace.rows().enumerate() {
         for li in 0..nl {
             let (sel, w, cid, cp) = (row.sel_ids(li), row.sel_weights(li), row.cand_ids(li), row.cand_probs(li));
+            // an id past n_expert would read as pruned and skew the shares without a word
+            check_ids(sel, ne, t as u64, li)?;
+            check_ids(cid, ne, t as u64, li)?;
             let mut missing = 0;
             for (j, &e) in sel.iter().enumerate() {
                 // picks are usually the first candidates: start the search there
@@ -77,7 +83,7 @@ pub fn screen(trace: &TraceReader, keeps: &[Vec<bool>]) -> Vec<Vec<ScreenLayer>>
                 s.picks_not_in_candidates += missing;
                 let mut pruned = 0;
                 for (j, &e) in sel.iter().enumerate() {
-                    if !keep.get(e as usize).copied().unwrap_or(false) {
+                    if !keep[e as usize] {
                         pruned += 1;
                         s.gate_weight_pruned += w[j] as f64;
                         s.router_prob_pruned += probs[j] as f64;
@@ -85,10 +91,10 @@ pub fn screen(trace: &TraceReader, keeps: &[Vec<bool>]) -> Vec<Vec<ScreenLayer>>
                 }
                 s.pruned_slots += pruned;
                 s.tokens_hit += (pruned > 0) as u64;
-                let survivors = cid.iter().filter(|&&c| keep.get(c as usize).copied().unwrap_or(false)).take(k).count();
+                let survivors = cid.iter().filter(|&&c| keep[c as usize]).take(k).count();
                 s.tokens_short += (survivors < k) as u64;
             }
         }
     }
-    out
+    Ok(out)
 }
