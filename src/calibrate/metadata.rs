@@ -24,6 +24,9 @@ pub fn model_block(model: &Model, path: &Path, size: u64, sha256: Option<&str>) 
         "expert_gating_func": key("expert_gating_func"),
         "expert_weights_norm": key("expert_weights_norm"),
         "expert_weights_scale": key("expert_weights_scale"),
+        // routing within groups (DeepSeek-V3): select keeps the same number in every group
+        "expert_group_count": key("expert_group_count"),
+        "expert_group_used_count": key("expert_group_used_count"),
     })
 }
 

@@ -700,3 +700,62 @@ fn a_nextn_block_is_dropped_on_request_or_pruned_by_a_hand_made_entry() {
     assert_eq!(r.status.code(), Some(2), "{err}");
     assert!(err.contains("has no nextn/MTP block") && !d.join("q.gguf").exists(), "{err}");
 }
+
+/// A model that routes within expert groups (DeepSeek-V3's n_group; here the glm4moe fixture
+/// with 4 groups of 8, 2 used per token): select keeps K/4 in every group, by the method's
+/// order within the group, and refuses a K that cannot be split so; prune refuses a map whose
+/// groups keep different numbers and writes one whose groups keep the same, which upstream
+/// llama.cpp loads and runs (with the original's PPL when every expert is kept).
+#[test]
+fn group_routed_models_keep_the_same_number_in_every_group() {
+    let d = temp_dir("prune-groups");
+    let u32_kv = |v: u32| [4u32.to_le_bytes(), v.to_le_bytes()].concat();
+    let half = d.join("half.gguf");
+    with_added_kv(&fixture("glm4moe"), &half, |a| format!("{a}.expert_group_count"), &u32_kv(4));
+    let model = d.join("grouped.gguf");
+    with_added_kv(&half, &model, |a| format!("{a}.expert_group_used_count"), &u32_kv(2));
+    calibrate(&d, &model);
+    let sal = Saliency::read(&d.join("imatrix.reap.json")).unwrap();
+    assert_eq!(sal.metadata["model"]["expert_group_count"], "4");
+    let select = |k: &str| run(Command::new(ours()).current_dir(&d).args(["select", "--reap", "imatrix.reap.json", "--method", "reap_mean,frequency", "--k", k, "--out-dir", "maps"]));
+    for bad in ["18", "4"] {
+        let out = select(bad);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--k {bad}: {err}");
+        assert!(err.contains("routes within 4 expert groups"), "{err}");
+    }
+    let out = select("16,28,32");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for (method, k) in [("reap_mean", 16usize), ("frequency", 16), ("reap_mean", 28)] {
+        let map: Value = serde_json::from_slice(&read(&d.join(format!("maps/keep_{method}_k{k}.json")))).unwrap();
+        assert_eq!(map["parameters"]["expert_groups"], 4);
+        for (l, entry) in sal.layers.iter().zip(map["layers"].as_array().unwrap()) {
+            let keep: Vec<usize> = entry["keep"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap() as usize).collect();
+            for g in 0..4 {
+                let kept: Vec<usize> = keep.iter().copied().filter(|e| e / 8 == g).collect();
+                assert_eq!(kept.len(), k / 4, "{method} k {k} layer {} group {g}", l.layer);
+                // within the group, the best by the method's order: nothing dropped outranks a kept one
+                let score = |e: usize| if method == "frequency" { l.count[e] as f64 } else if l.count[e] > 0 { l.reap_l2_sum[e] / l.count[e] as f64 } else { -1.0 };
+                let worst_kept = kept.iter().map(|&e| score(e)).fold(f64::INFINITY, f64::min);
+                let best_dropped = (g * 8..g * 8 + 8).filter(|e| !kept.contains(e)).map(score).fold(f64::NEG_INFINITY, f64::max);
+                assert!(worst_kept >= best_dropped, "{method} k {k} layer {} group {g}", l.layer);
+            }
+        }
+    }
+
+    // prune: the grouped maps load and run; K = 32 keeps every expert (the nextn block is
+    // dropped: select's map has no entry for it), so the PPL is the original's
+    prune_ok(&model, &d.join("maps/keep_reap_mean_k32.json"), &d.join("p32.gguf"), &["--drop-nextn"]);
+    assert_eq!(upstream_ppl(&d.join("p32.gguf")), upstream_ppl(&model));
+    prune_ok(&model, &d.join("maps/keep_reap_mean_k16.json"), &d.join("p16.gguf"), &["--drop-nextn"]);
+    assert!(upstream_ppl(&d.join("p16.gguf")).is_finite());
+    // the same K, unevenly over the groups: refused, naming the layer's counts
+    let mut v: Value = serde_json::from_slice(&read(&d.join("maps/keep_reap_mean_k16.json"))).unwrap();
+    v["layers"][0]["keep"] = json!((0..16).collect::<Vec<u16>>());
+    v["model"] = Value::Null;
+    let uneven = write_map(&d.join("uneven.json"), v);
+    let out = prune(&["-m".as_ref(), model.as_os_str(), "--keep-map".as_ref(), uneven.as_os_str(), "-o".as_ref(), d.join("u.gguf").as_os_str(), "--drop-nextn".as_ref()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("keeps [8, 8, 0, 0] experts of its 4 expert groups") && !d.join("u.gguf").exists(), "{err}");
+}

@@ -195,6 +195,16 @@ pub fn with_per_layer_k(src: &Path, dst: &Path, ks: &[u32]) {
 /// A copy of `src` whose key `key(arch)` has the (type, value) bytes `value`, every other
 /// pair and tensor as they were.
 pub fn with_kv(src: &Path, dst: &Path, key: impl Fn(&str) -> String, value: &[u8]) {
+    rewrite_kv(src, dst, key, value, true)
+}
+
+/// A copy of `src` with the pair `key(arch)` = (type, value) bytes `value` added (it must not
+/// be there yet), every other pair and tensor as they were.
+pub fn with_added_kv(src: &Path, dst: &Path, key: impl Fn(&str) -> String, value: &[u8]) {
+    rewrite_kv(src, dst, key, value, false)
+}
+
+fn rewrite_kv(src: &Path, dst: &Path, key: impl Fn(&str) -> String, value: &[u8], existing: bool) {
     use reap_imatrix::formats::gguf::{encode_header, Header};
     let b = read(src);
     let h = Header::parse(&b).unwrap();
@@ -203,8 +213,11 @@ pub fn with_kv(src: &Path, dst: &Path, key: impl Fn(&str) -> String, value: &[u8
     raw.extend_from_slice(&(key.len() as u64).to_le_bytes());
     raw.extend_from_slice(key.as_bytes());
     raw.extend_from_slice(value);
-    assert!(h.kvs.iter().any(|kv| kv.key == key), "{} has no {key}", src.display());
-    let kvs: Vec<&[u8]> = h.kvs.iter().map(|kv| if kv.key == key { &raw[..] } else { &b[kv.raw.clone()] }).collect();
+    assert_eq!(h.kvs.iter().any(|kv| kv.key == key), existing, "{}: {key} present", src.display());
+    let mut kvs: Vec<&[u8]> = h.kvs.iter().map(|kv| if kv.key == key { &raw[..] } else { &b[kv.raw.clone()] }).collect();
+    if !existing {
+        kvs.push(&raw);
+    }
     let (mut out, offsets) = encode_header(h.version, &kvs, &h.tensors, h.alignment);
     let data_start = out.len();
     for (t, off) in h.tensors.iter().zip(offsets) {

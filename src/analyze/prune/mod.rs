@@ -241,6 +241,35 @@ fn no_mtp_kvs(h: &Header, b: &[u8], arch: &str, n_nextn: u64) -> Result<Vec<(Str
     Ok(out)
 }
 
+/// A model that routes within `groups` groups of consecutive experts (DeepSeek-V3): llama.cpp
+/// splits the pruned layer's experts into `groups` equal runs again, so every group must keep
+/// the same number (then each kept expert stays in its group), at least the two it scores a
+/// group by, and the `groups_used` best groups must still hold the experts a token uses.
+fn check_groups(keep: &[Vec<u16>], blocks: &[u32], path: &Path, n_expert: u64, groups: u64, groups_used: u64, n_used: u64) -> Result<()> {
+    let per_group = n_expert / groups;
+    let k = keep[0].len() as u64;
+    for (ids, b) in keep.iter().zip(blocks) {
+        let mut counts = vec![0u64; groups as usize];
+        for &e in ids {
+            counts[(e as u64 / per_group) as usize] += 1;
+        }
+        if counts.iter().any(|&c| c != k / groups) || k % groups != 0 {
+            return Err(usage(format!(
+                "--keep-map {}: layer {b} keeps {counts:?} experts of its {groups} expert groups; the model routes within the groups, so every group must keep as many (select does this from the saliency JSON's expert_group_count)",
+                path.display()
+            )));
+        }
+    }
+    if k / groups < 2 || (k / groups) * groups_used < n_used {
+        return Err(usage(format!(
+            "--keep-map {}: {} experts per group: llama.cpp scores a group by its best 2 and takes the {n_used} experts a token uses from {groups_used} groups",
+            path.display(),
+            k / groups
+        )));
+    }
+    Ok(())
+}
+
 /// Prunes `opts.model` by `opts.keep_map` into `opts.out` (and the imatrix, if given).
 /// Bad inputs are `UsageError`s, raised before anything is written.
 pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
@@ -266,10 +295,9 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let n_used = h.uints(b, &format!("{arch}.expert_used_count")).and_then(|v| v.into_iter().max()).unwrap_or(0);
     let groups = h.uint(b, &format!("{arch}.expert_group_count")).unwrap_or(0);
     let groups_used = h.uint(b, &format!("{arch}.expert_group_used_count")).unwrap_or(groups);
-    if groups > 1 && groups_used < groups {
-        return Err(usage(format!(
-            "-m {model_arg}: routes within {groups} expert groups ({groups_used} used per token); pruning would move experts between groups, which prune does not support"
-        )));
+    let grouped = groups > 1 && groups_used < groups;
+    if grouped && n_expert % groups != 0 {
+        return Err(usage(format!("-m {model_arg}: {n_expert} experts do not split into {groups} expert groups")));
     }
     let nextn = plan::nextn_blocks(h, b, &arch);
     let dropped: Vec<u32> = if opts.drop_nextn { nextn.clone() } else { Vec::new() };
@@ -305,6 +333,9 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     }
     let keep = check_map(&map, &opts.keep_map, &blocks, n_expert, n_used)?;
     let k = keep[0].len();
+    if grouped {
+        check_groups(&keep, &blocks, &opts.keep_map, n_expert, groups, groups_used, n_used)?;
+    }
     if let Some(want) = map.model.as_ref().and_then(|m| m.sha256.as_deref()) {
         let got = crate::formats::sha256::cached_sha256_file(&opts.model).with_context(|| format!("hashing {model_arg}"))?;
         if !got.eq_ignore_ascii_case(want) {

@@ -103,7 +103,7 @@ pub fn layer_stats(l: &crate::formats::saliency::LayerSums, keep: &[u16]) -> Lay
 /// Keep sets of one method for every K: `[k_index][layer]`.
 pub fn select_method(s: &Saliency, method: Method, ks: &[usize], p: &Params) -> Vec<Vec<Vec<u16>>> {
     let orders: Vec<Vec<usize>> = s.layers.iter().map(|l| score::order(l, &score::scores(l, method, p), p.min_count)).collect();
-    ks.iter().map(|&k| orders.iter().map(|o| score::keep_set(o, k)).collect()).collect()
+    ks.iter().map(|&k| orders.iter().map(|o| score::keep_set_grouped(o, k, p.groups)).collect()).collect()
 }
 
 /// The first layer (index into `layers`) where a smaller K's set is not inside the next K's.
@@ -167,6 +167,25 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
             }
         }
     }
+    let (groups, groups_used) = expert_groups(&sal);
+    if groups > 1 {
+        let ne = sal.layers[0].n_expert;
+        if ne % groups != 0 {
+            return Err(usage(format!("--reap {}: {ne} experts do not split into {groups} expert groups", args.reap.display())));
+        }
+        for &k in &ks {
+            // llama.cpp scores a group by its best two experts, then takes the top k among the
+            // experts of the groups_used best groups: both must still be possible
+            let per = k / groups;
+            let need = sal.layers.iter().map(|l| l.n_expert_used).max().unwrap_or(0);
+            if k % groups != 0 || per < 2 || per * groups_used < need {
+                return Err(usage(format!(
+                    "--k {k}: the model routes within {groups} expert groups ({groups_used} used per token, in {}), so every group keeps K/{groups}: K must be a multiple of {groups}, with at least 2 per group and {groups_used} groups holding the {need} experts a token uses",
+                    args.reap.display()
+                )));
+            }
+        }
+    }
     if !(args.z.is_finite() && args.z >= 0.0) {
         return Err(usage(format!("--z {}: must be a finite number ≥ 0", args.z)));
     }
@@ -221,7 +240,7 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
         PriorArg::Median => Prior::Median,
         PriorArg::Lcb => Prior::Lcb { z: args.z },
     };
-    let params = Params { prior, shrink_m: args.shrink_m, min_count: args.min_count };
+    let params = Params { prior, shrink_m: args.shrink_m, min_count: args.min_count, groups };
     let source = Source {
         path: args.reap.display().to_string(),
         sha256: sha.clone(),
@@ -327,8 +346,23 @@ pub fn map_file_name(m: Method, k: usize) -> String {
     format!("keep_{}_k{k}.json", m.name())
 }
 
+/// `metadata.model.expert_group_count` and `expert_group_used_count` (1 and 1 where absent
+/// or 0: no group routing).
+pub fn expert_groups(sal: &Saliency) -> (usize, usize) {
+    let key = |k: &str| {
+        let v = sal.metadata.get("model").and_then(|m| m.get(k));
+        v.and_then(|v| v.as_u64().or_else(|| v.as_str().and_then(|s| s.parse().ok()))).filter(|&n| n > 0).unwrap_or(1) as usize
+    };
+    let groups = key("expert_group_count");
+    (groups, if groups > 1 { key("expert_group_used_count").min(groups) } else { 1 })
+}
+
 fn method_parameters(m: Method, p: &Params, sal: &Saliency) -> Value {
     let mut v = json!({"min_count": p.min_count, "tie_break": "lowest expert id", "dead_experts": "ranked after every live expert"});
+    if p.groups > 1 {
+        v["expert_groups"] = json!(p.groups);
+        v["per_group"] = json!("each group keeps K / expert_groups: its best experts by the method");
+    }
     if m.uses_prior() {
         match p.prior {
             Prior::Lcb { z } => {

@@ -73,6 +73,8 @@ pub struct Params {
     pub shrink_m: Option<f64>,
     /// experts with count < min_count rank below every expert with count ≥ min_count
     pub min_count: u64,
+    /// expert groups the model routes within (`expert_group_count`; 1: none): each keeps k/groups
+    pub groups: usize,
 }
 
 /// Median of a non-empty list (mean of the two middle values for an even length).
@@ -228,6 +230,28 @@ pub fn keep_set(order: &[usize], k: usize) -> Vec<u16> {
     keep
 }
 
+/// The keep set of a model that routes within `groups` equal groups of consecutive ids
+/// (DeepSeek-V3's `n_group`): the first `k / groups` of the order in each group, so every group
+/// keeps as many experts and stays a group of consecutive ids after pruning. `groups` ≤ 1: as
+/// [keep_set]. The caller checks that `groups` divides `k` and the expert count.
+pub fn keep_set_grouped(order: &[usize], k: usize, groups: usize) -> Vec<u16> {
+    if groups <= 1 {
+        return keep_set(order, k);
+    }
+    let per_group = order.len() / groups;
+    let mut taken = vec![0usize; groups];
+    let mut keep: Vec<u16> = Vec::with_capacity(k);
+    for &i in order {
+        let g = i / per_group;
+        if taken[g] < k / groups {
+            taken[g] += 1;
+            keep.push(i as u16);
+        }
+    }
+    keep.sort_unstable();
+    keep
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,7 +278,7 @@ mod tests {
     }
 
     fn params(prior: Prior) -> Params {
-        Params { prior, shrink_m: None, min_count: 0 }
+        Params { prior, shrink_m: None, min_count: 0, groups: 1 }
     }
 
     #[test]
@@ -322,7 +346,7 @@ mod tests {
         l.count = vec![1, 3, 5, 0];
         l.reap_l2_sum = vec![4.0, 3.0, 10.0, 0.0];
         // means 4, 1, 2 → median 2; median live count 3
-        let p = Params { prior: Prior::Median, shrink_m: None, min_count: 0 };
+        let p = Params { prior: Prior::Median, shrink_m: None, min_count: 0, groups: 1 };
         assert_eq!(shrink_m(&l, &p), 3.0);
         let s = shrink_scores(&l, &p);
         assert_eq!(s, vec![(4.0 + 6.0) / 4.0, (3.0 + 6.0) / 6.0, (10.0 + 6.0) / 8.0, 2.0]);
@@ -337,7 +361,7 @@ mod tests {
         l.count = vec![2, 1, 4];
         l.reap_l2_sum = vec![4.0, 5.0, 8.0];
         l.reap_l2_sq_sum = vec![10.0, 25.0, 16.0];
-        let s = shrink_scores(&l, &Params { prior: Prior::Lcb { z: 2.0 }, shrink_m: None, min_count: 0 });
+        let s = shrink_scores(&l, &Params { prior: Prior::Lcb { z: 2.0 }, shrink_m: None, min_count: 0, groups: 1 });
         let sd0 = 2f64.sqrt();
         assert!((s[0] - (2.0 - 2.0 * sd0 / 2f64.sqrt())).abs() < 1e-12);
         // pooled sd: median of {√2, 0} = √2/2
@@ -350,7 +374,7 @@ mod tests {
     /// dead expert's shrunk score is the prior itself, above every live expert below it).
     #[test]
     fn hybrid_order_of_live_experts_ignores_dead_ones() {
-        let p = Params { prior: Prior::Median, shrink_m: None, min_count: 0 };
+        let p = Params { prior: Prior::Median, shrink_m: None, min_count: 0, groups: 1 };
         let mut flipped = 0;
         for seed in 0..50u64 {
             let mut rng = crate::fixture::rng::Rng::stream(seed, "hybrid");
@@ -378,7 +402,7 @@ mod tests {
     /// too, so adding dead experts does not change which live experts reap_hybrid keeps.
     #[test]
     fn hybrid_live_expert_with_zero_l2_sum_ignores_dead_ones() {
-        let p = Params { prior: Prior::Median, shrink_m: None, min_count: 0 };
+        let p = Params { prior: Prior::Median, shrink_m: None, min_count: 0, groups: 1 };
         let keep = |n_dead: usize| {
             let mut l = LayerSums::new(0, 5 + n_dead, 1);
             l.count[..5].copy_from_slice(&[1, 1000, 100, 100, 100]);
@@ -399,7 +423,7 @@ mod tests {
         let mut l = LayerSums::new(0, 4, 1);
         l.count = vec![10, 10, 10, 10];
         l.reap_l2_sum = vec![100.0, 1.0, 50.0, 50.0];
-        let p = Params { prior: Prior::Median, shrink_m: Some(0.0), min_count: 0 };
+        let p = Params { prior: Prior::Median, shrink_m: Some(0.0), min_count: 0, groups: 1 };
         // m = 0: shrink = mean, same order as l2_sum here
         let h = scores(&l, Method::ReapHybrid, &p);
         assert_eq!(h, vec![-1.0, -4.0, -2.5, -2.5]);
