@@ -77,8 +77,19 @@ pub struct Doc {
 
 /// Reads a JSONL file; every error names `file:line`. Blank lines are skipped.
 pub fn read_jsonl(path: &Path) -> Result<Vec<Doc>> {
-    let text = std::fs::read_to_string(path).map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
-    parse_jsonl(&text, &path.display().to_string()).map_err(|e| UsageError(e).into())
+    let bytes = std::fs::read(path).map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
+    let text = String::from_utf8(bytes).map_err(|e| UsageError(not_utf8(&path.display().to_string(), e.as_bytes(), e.utf8_error())))?;
+    // a UTF-8 byte-order mark (some editors write one) is not part of the first line's JSON
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    parse_jsonl(text, &path.display().to_string()).map_err(|e| UsageError(e).into())
+}
+
+/// `name:LINE: not UTF-8 (byte B of the line, offset O of the file)`.
+fn not_utf8(name: &str, bytes: &[u8], e: std::str::Utf8Error) -> String {
+    let at = e.valid_up_to();
+    let line = bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1;
+    let col = at - bytes[..at].iter().rposition(|&b| b == b'\n').map_or(0, |p| p + 1) + 1;
+    format!("{name}:{line}: not valid UTF-8 (byte {col} of the line, offset {at} of the file)")
 }
 
 pub fn parse_jsonl(text: &str, name: &str) -> std::result::Result<Vec<Doc>, String> {
@@ -146,4 +157,19 @@ mod tests {
         assert!(parse_jsonl("{\"body\": 1}\n", "s.jsonl").unwrap_err().contains("s.jsonl:1: a document needs \"text\" or \"messages\""));
         assert!(parse_jsonl("{\"messages\": [{\"role\": \"user\"}]}\n", "s.jsonl").unwrap_err().contains("messages[0] has no string \"content\""));
     }
+
+    #[test]
+    fn a_jsonl_that_is_not_utf8_names_the_line_and_a_bom_is_skipped() {
+        let d = std::env::temp_dir().join(format!("reap-sources-utf8-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let bad = d.join("bad.jsonl");
+        std::fs::write(&bad, b"{\"text\": \"ok\"}\n{\"text\": \"x\xff\"}\n").unwrap();
+        let e = format!("{:#}", read_jsonl(&bad).unwrap_err());
+        assert!(e.ends_with("bad.jsonl:2: not valid UTF-8 (byte 12 of the line, offset 26 of the file)"), "{e}");
+        let bom = d.join("bom.jsonl");
+        std::fs::write(&bom, "\u{feff}{\"text\": \"hi\"}\n").unwrap();
+        assert_eq!(read_jsonl(&bom).unwrap().len(), 1);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
 }
