@@ -263,9 +263,18 @@ impl Saliency {
             return Some(format!("layers {blocks:?} are not in block order, each once"));
         }
         for l in &self.layers {
+            if l.n_expert_used > l.n_expert {
+                return Some(format!("layer {}: n_expert_used {} is more than its n_expert {}", l.layer, l.n_expert_used, l.n_expert));
+            }
             for (name, a) in l.float_arrays() {
                 if let Some((e, x)) = a.iter().enumerate().find(|(_, x)| !(x.is_finite() && **x >= 0.0)) {
                     return Some(format!("layer {}: \"{name}\"[{e}] is {x}; sums are finite and non-negative", l.layer));
+                }
+            }
+            // a sum over no tokens is 0: anything else ranks a dead expert by numbers it cannot have
+            for (name, a) in [("reap_l2_sum", &l.reap_l2_sum), ("ean_sum", &l.ean_sum), ("prob_sum", &l.prob_sum)] {
+                if let Some(e) = (0..l.n_expert).find(|&e| l.count[e] == 0 && a[e] != 0.0) {
+                    return Some(format!("layer {}: expert {e} has count 0 but \"{name}\" {}; a sum over no tokens is 0", l.layer, a[e]));
                 }
             }
         }

@@ -341,6 +341,18 @@ fn damaged_saliency_json_is_refused_or_fails_check() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("FAIL"));
     refused(&r.tool(&["select", "--reap", "negsum.json", "--method", "frequency", "--k", "8", "--out-dir", "m3"]), &["negsum.json", "\"reap_l2_sum\"[3] is -0.5"]);
+    // sums for an expert no token chose, and a k above the expert count: the file is named, not --k
+    let mut v = good.clone();
+    let dead = v["layers"][1]["count"].as_array().unwrap().iter().position(|c| c == 0).expect("the fixture has dead experts");
+    v["layers"][1]["reap_l2_sum"][dead] = 0.25.into();
+    write("deadsum.json", &v.to_string());
+    let mut v = good.clone();
+    v["layers"][0]["n_expert_used"] = 40.into();
+    write("bigk.json", &v.to_string());
+    for (name, why) in [("deadsum.json", &format!("expert {dead} has count 0 but \"reap_l2_sum\" 0.25") as &str), ("bigk.json", "n_expert_used 40 is more than its n_expert 32")] {
+        refused(&r.tool(&["select", "--reap", name, "--method", "frequency", "--k", "8", "--out-dir", "m3"]), &[name, why]);
+    }
+    assert!(!r.dir.join("m3").exists());
 }
 
 #[test]
