@@ -373,3 +373,34 @@ fn report_into_a_closed_pipe_exits_quietly() {
     run_ok_into_closed_pipe(Command::new(ours()).args(["select", "--reap"]).arg(&sal).args(["--method", METHODS, "--k", "8,12,16", "--per-layer", "--out-dir"]).arg(&out_dir));
     assert!(out_dir.join("select_report.json").is_file());
 }
+
+/// A prior flag that changes nothing is said: `--z` without `--prior lcb`, `--shrink-m` with it,
+/// and any of them when no method uses a prior. The maps are those without the flag.
+#[test]
+fn prior_flags_that_change_nothing_are_warned_about() {
+    let d = temp_dir("select-unused-flags");
+    let sal = write_saliency(&d, vec![skewed_layer(0, 24, &[5]), skewed_layer(1, 24, &[])], 0);
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let run_with = |out: &str, extra: &[&str]| {
+        let o = d.join(out);
+        let mut args = vec!["--reap".to_string(), s(&sal), "--k".into(), "8".into(), "--out-dir".into(), s(&o)];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = select(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        (String::from_utf8_lossy(&out.stderr).into_owned(), o)
+    };
+    let (quiet, plain) = run_with("plain", &["--method", "reap_shrink"]);
+    assert!(!quiet.contains("no effect"), "{quiet}");
+    for (name, extra, needle) in [
+        ("z", &["--method", "reap_shrink", "--z", "2"][..], "--z is the lower confidence bound's"),
+        ("m", &["--method", "reap_shrink", "--prior", "lcb", "--shrink-m", "3"][..], "--shrink-m is the median prior's"),
+        ("none", &["--method", "frequency", "--prior", "lcb"][..], "neither is among the methods"),
+    ] {
+        let (err, dir) = run_with(name, extra);
+        assert!(err.contains(needle) && err.contains("it has no effect here"), "{name}: {err}");
+        if name == "z" {
+            assert_eq!(read(&dir.join("keep_reap_shrink_k8.json")), read(&plain.join("keep_reap_shrink_k8.json")));
+        }
+    }
+}

@@ -48,9 +48,9 @@ pub struct SelectArgs {
     /// Prior of reap_shrink (and so of reap_hybrid)
     #[arg(long, value_enum, default_value = "median")]
     pub prior: PriorArg,
-    /// z of the lower confidence bound (--prior lcb)
-    #[arg(long, default_value_t = 1.0, value_name = "Z")]
-    pub z: f64,
+    /// z of the lower confidence bound (--prior lcb) [default: 1]
+    #[arg(long, value_name = "Z")]
+    pub z: Option<f64>,
     /// Pseudo-count m of the shrink (--prior median) [default: the layer's median live count]
     #[arg(long = "shrink-m", value_name = "M")]
     pub shrink_m: Option<f64>,
@@ -186,8 +186,19 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
             }
         }
     }
-    if !(args.z.is_finite() && args.z >= 0.0) {
-        return Err(usage(format!("--z {}: must be a finite number ≥ 0", args.z)));
+    let z = args.z.unwrap_or(1.0);
+    if !(z.is_finite() && z >= 0.0) {
+        return Err(usage(format!("--z {z}: must be a finite number ≥ 0")));
+    }
+    // a flag that changes nothing is said, not recorded as if it had been used
+    let prior_used = methods.iter().any(|m| m.uses_prior());
+    let unused = [
+        (args.z.is_some() && args.prior != PriorArg::Lcb, "--z is the lower confidence bound's (--prior lcb)"),
+        (args.shrink_m.is_some() && args.prior == PriorArg::Lcb, "--shrink-m is the median prior's (--prior median)"),
+        (!prior_used && (args.prior != PriorArg::Median || args.z.is_some() || args.shrink_m.is_some()), "--prior, --z and --shrink-m are reap_shrink's and reap_hybrid's, and neither is among the methods"),
+    ];
+    for (_, why) in unused.iter().filter(|(hit, _)| *hit) {
+        eprintln!("warning: {why}: it has no effect here");
     }
     if let Some(m) = args.shrink_m {
         if !(m.is_finite() && m >= 0.0) {
@@ -238,7 +249,7 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
 
     let prior = match args.prior {
         PriorArg::Median => Prior::Median,
-        PriorArg::Lcb => Prior::Lcb { z: args.z },
+        PriorArg::Lcb => Prior::Lcb { z },
     };
     let params = Params { prior, shrink_m: args.shrink_m, min_count: args.min_count, groups };
     let source = Source {
