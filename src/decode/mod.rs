@@ -175,13 +175,14 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
     }
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
     let sampling = if args.temp > 0.0 { Sampling::Temperature { temp: args.temp, seed: args.seed } } else { Sampling::Greedy };
-    let mut sampler = Sampler::new(sampling);
     let mut out = TraceOut { path: args.trace_out.clone().filter(|_| !args.no_trace), writer: Writer::spawn(), started: false };
     let mut timing = Timing::default();
     let mut stdout = std::io::stdout().lock();
     let vocab = model.vocab();
     for (s, seq) in seqs.iter().enumerate() {
         ctx.clear_memory();
+        // seeded afresh per prompt: a prompt's generation does not depend on the ones before it
+        let mut sampler = Sampler::new(sampling);
         let t0 = Instant::now();
         for (j, part) in seq.tokens.chunks(n_batch as usize).enumerate() {
             let pos0 = j * n_batch as usize;

@@ -85,7 +85,7 @@ fn decode_trace_rows_carry_phases_and_the_generated_tokens() {
 }
 
 #[test]
-fn seeded_sampling_is_reproducible_and_differs_from_greedy() {
+fn seeded_sampling_is_reproducible_per_prompt_and_differs_from_greedy() {
     let model = fixture("qwen3moe");
     let dir = temp_dir("decode-seeded");
     let p = prompts_file(&dir);
@@ -95,6 +95,11 @@ fn seeded_sampling_is_reproducible_and_differs_from_greedy() {
     let a = texts(&["--temp", "1.5", "--seed", "7"], "a.bin");
     assert_eq!(a, texts(&["--temp", "1.5", "--seed", "7"], "b.bin"));
     assert_ne!(a, texts(&[], "g.bin"));
+    // each prompt is seeded afresh: the last prompt alone generates what it did after the others
+    let last = dir.join("last.txt");
+    std::fs::write(&last, format!("{}\n", PROMPTS[2])).unwrap();
+    let alone: Vec<String> = trace_decode(&model, &last, &dir.join("l.bin"), &["-n", "16", "--temp", "1.5", "--seed", "7"]).iter().map(|g| g["text"].as_str().unwrap().to_string()).collect();
+    assert_eq!(alone, a[2..]);
 }
 
 /// check, select and replay on a decode trace: invariants hold and a broken row is caught;
