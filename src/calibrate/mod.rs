@@ -48,6 +48,9 @@ pub struct Plan {
     pub reap_out: Option<PathBuf>,
     /// -o is a device written in place (`/dev/null`): nothing is written beside it by default
     pub output_in_place: bool,
+    /// -f's size and sha256, of the bytes the run read (set when it reads them): the manifest's
+    /// record, not a hash of whatever the file holds when the run ends
+    pub corpus_read: Option<(u64, String)>,
 }
 
 impl Plan {
@@ -129,7 +132,7 @@ impl Plan {
         if args.trace_top_n == Some(0) {
             bail!(UsageError("--trace-top-n must be at least 1".into()));
         }
-        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, output_in_place, args })
+        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, output_in_place, corpus_read: None, args })
     }
 
     /// Every file the run will write, with the flag that names it.
@@ -308,8 +311,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         model_block: metadata::model_block(&model, &model_path, model_size, None),
         corpus_block: json!({
             "path": plan.prompt_file,
-            "bytes": std::fs::metadata(&text_path).map_or(text.len() as u64, |m| m.len()),
-            "sha256": metadata::sha256_file(&text_path).ok(),
+            // of the bytes the run read (the file may change while it runs)
+            "bytes": plan.corpus_read.as_ref().map_or(text.len() as u64, |(n, _)| *n),
+            "sha256": plan.corpus_read.as_ref().map(|(_, h)| h.clone()).or_else(|| metadata::sha256_file(&text_path).ok()),
             "parse_special": plan.args.parse_special,
         }),
         chunks_done: 0,
@@ -983,7 +987,10 @@ fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&
     let cwd = std::env::current_dir().context("reading the working folder")?;
     let mut inputs = vec![model];
     if let Some(f) = &plan.args.file {
-        inputs.push(FileRecord::of("corpus", f, &cwd)?);
+        inputs.push(match &plan.corpus_read {
+            Some((size, sha256)) => FileRecord { role: "corpus".into(), path: f.clone(), size: *size, sha256: sha256.clone() },
+            None => FileRecord::of("corpus", f, &cwd)?,
+        });
     }
     if let Some(f) = &plan.args.domains {
         inputs.push(FileRecord::of("domains", f, &cwd)?);

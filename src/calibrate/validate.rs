@@ -33,7 +33,11 @@ pub fn before_loading(plan: &mut super::Plan) -> Result<(PathBuf, ModelHeader, O
     inputs.extend(plan.args.domains.iter().map(|f| ("--domains", f.clone())));
     outputs_are_not_inputs(&plan.outputs(), &inputs)?;
     let text = match &plan.args.file {
-        Some(f) => Some(corpus("-f", f, plan.n_ctx as usize, plan.args.chunk.max(0) as usize)?),
+        Some(f) => {
+            let (text, read) = corpus_read("-f", f, plan.n_ctx as usize, plan.args.chunk.max(0) as usize)?;
+            plan.corpus_read = Some(read);
+            Some(text)
+        }
         None => None,
     };
     if let Some(servers) = &plan.args.rpc {
@@ -127,11 +131,17 @@ pub fn one_k_per_trace(model: &Path, ks: &[u32]) -> String {
 /// short to hold two contexts even at one token per byte (a token covers at least one byte;
 /// BOS adds one). The exact token count is checked again after tokenising.
 pub fn corpus(flag: &str, path: &Path, n_ctx: usize, skip_chunks: usize) -> Result<Vec<u8>> {
+    corpus_read(flag, path, n_ctx, skip_chunks).map(|(text, _)| text)
+}
+
+/// [corpus], and the size and sha256 of the bytes read.
+pub fn corpus_read(flag: &str, path: &Path, n_ctx: usize, skip_chunks: usize) -> Result<(Vec<u8>, (u64, String))> {
     let what = |m: String| usage(format!("{flag} {}: {m}", path.display()));
     if path.is_dir() {
         return Err(what("is a folder, not a text file".into()));
     }
     let mut text = std::fs::read(path).map_err(|e| what(format!("cannot read the calibration text: {e}")))?;
+    let read = (text.len() as u64, crate::formats::sha256::sha256_hex(&text));
     if text.last() == Some(&b'\n') {
         text.pop();
     }
@@ -155,7 +165,7 @@ pub fn corpus(flag: &str, path: &Path, n_ctx: usize, skip_chunks: usize) -> Resu
             text.len() + 1,
         )));
     }
-    Ok(text)
+    Ok((text, read))
 }
 
 /// Every `--in-file` entry must be a tensor of the model with the same shape: an imatrix of

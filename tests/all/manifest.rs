@@ -190,3 +190,38 @@ fn reproduce_writes_over_nothing_and_leaves_nothing() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("out/t.bin (the trace this manifest records) no longer exists"), "{text}");
 }
+
+/// The manifest and the saliency JSON record the corpus bytes the run read: a file changed
+/// while the run goes on (here once its routing trace has started) is recorded as it was read,
+/// and `reproduce` then reports the input as changed.
+#[test]
+fn the_corpus_is_recorded_as_read() {
+    let d = temp_dir("manifest-corpus-read");
+    std::fs::copy(fixture("qwen3moe"), d.join("m.gguf")).unwrap();
+    std::fs::copy(corpus(), d.join("c.txt")).unwrap();
+    let read_sha = reap_imatrix::formats::sha256::sha256_file(&d.join("c.txt")).unwrap();
+    let mut child = Command::new(ours())
+        .current_dir(&d)
+        .args(["-m", "m.gguf", "-f", "c.txt", "-c", "128", "-b", "128", "--chunks", "40", "-t", "1", "--no-ppl", "-o", "i.gguf", "--trace-out", "t.bin"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while !std::fs::read_dir(&d).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with("t.bin")) {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before its trace started");
+        assert!(started.elapsed().as_secs() < 120, "no trace after 2 minutes");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mut text = read(&d.join("c.txt"));
+    text.extend_from_slice(b"\nappended while the run went on\n");
+    std::fs::write(d.join("c.txt"), text).unwrap();
+    assert!(child.wait().unwrap().success());
+    let m: serde_json::Value = serde_json::from_slice(&read(&d.join("i.manifest.json"))).unwrap();
+    let rec = m["inputs"].as_array().unwrap().iter().find(|r| r["role"] == "corpus").unwrap();
+    assert_eq!((rec["sha256"].as_str(), rec["size"].as_u64()), (Some(read_sha.as_str()), Some(std::fs::metadata(corpus()).unwrap().len())));
+    let s: serde_json::Value = serde_json::from_slice(&read(&d.join("i.reap.json"))).unwrap();
+    assert_eq!(s["metadata"]["corpus"]["sha256"].as_str(), Some(read_sha.as_str()));
+    let out = run(Command::new(ours()).args(["reproduce"]).arg(d.join("i.manifest.json")));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("input corpus c.txt: CHANGED"), "{}", String::from_utf8_lossy(&out.stdout));
+}
