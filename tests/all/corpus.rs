@@ -179,9 +179,7 @@ fn chat_documents_are_rendered_with_the_models_template() {
 
     // a model without a chat template: the error names the source, nothing is written
     let plain = d.join("spm.gguf");
-    let vocab = PathBuf::from(std::env::var_os("REAP_IMATRIX_CACHE").map(PathBuf::from).unwrap_or(repo().join("vendor/cache")))
-        .join(format!("llama.cpp-{}", pin_commit()))
-        .join("models/ggml-vocab-llama-spm.gguf");
+    let vocab = spm_vocab();
     run_ok(Command::new(ours()).args(["fixture", "--vocab"]).arg(&vocab).arg("-o").arg(&plain));
     let out = corpus_cmd(&d, &plain, &["--source", "talk=chat.jsonl", "--tokens", "10", "-o", "n.txt"]);
     assert_eq!(out.status.code(), Some(2));
@@ -196,9 +194,7 @@ fn chat_documents_are_rendered_with_the_models_template() {
 #[test]
 fn special_tokens_inside_sentencepiece_text_map_to_their_own_bytes() {
     let d = temp_dir("corpus-spm-special");
-    let vocab_file = PathBuf::from(std::env::var_os("REAP_IMATRIX_CACHE").map(PathBuf::from).unwrap_or(repo().join("vendor/cache")))
-        .join(format!("llama.cpp-{}", pin_commit()))
-        .join("models/ggml-vocab-llama-spm.gguf");
+    let vocab_file = spm_vocab();
     let model = reap_imatrix::llama::Model::load_vocab(&vocab_file).unwrap();
     let v = model.vocab();
     let text = b"Some words. </s> trailing words</s>\nafter a newline</s>  two spaces <s>[INST] a question [/INST]";
@@ -361,9 +357,7 @@ fn shares_below_one_say_what_budget_to_ask_for() {
 #[test]
 fn sentencepiece_documents_are_counted_as_they_stand_in_the_mix() {
     let d = temp_dir("corpus-spm-count");
-    let vocab = PathBuf::from(std::env::var_os("REAP_IMATRIX_CACHE").map(PathBuf::from).unwrap_or(repo().join("vendor/cache")))
-        .join(format!("llama.cpp-{}", pin_commit()))
-        .join("models/ggml-vocab-llama-spm.gguf");
+    let vocab = spm_vocab();
     let spm = d.join("spm.gguf");
     run_ok(Command::new(ours()).args(["fixture", "--vocab"]).arg(&vocab).arg("-o").arg(&spm));
     let chars: Vec<char> = "日本語文章東京大阪京都雨晴今明山川海空花鳥風月".chars().collect();
@@ -411,4 +405,11 @@ fn the_bundled_mix_is_up_to_date() {
         }
     }
     assert_eq!(a, b);
+}
+
+/// The pinned tree's SentencePiece vocab-only GGUF (in the cache `REAP_IMATRIX_CACHE` names).
+fn spm_vocab() -> PathBuf {
+    PathBuf::from(std::env::var_os("REAP_IMATRIX_CACHE").map(PathBuf::from).unwrap_or(repo().join("vendor/cache")))
+        .join(format!("llama.cpp-{}", pin_commit()))
+        .join("models/ggml-vocab-llama-spm.gguf")
 }

@@ -231,13 +231,7 @@ fn substitution_screen_counts_pruned_slots_and_lost_probability() {
     let h3 = TraceHeader { layers: vec![2], n_expert: 8, k: 3, top_n: 3, n_tokens: 0, flags: FLAG_NORMALISED };
     let other_k = d.join("other-k.trace");
     TraceFile::create(&other_k, h3).unwrap();
-    let out = run(Command::new(ours())
-        .args(["select", "--reap"])
-        .arg(&sal)
-        .args(["--method", "frequency", "--k", "4", "--trace"])
-        .arg(&other_k)
-        .arg("--out-dir")
-        .arg(&out_dir));
+    let out = select_k4_with_trace(&sal, &other_k, &out_dir);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("8 experts per layer, k = 3; the saliency file has 8 experts, k = 2"), "{err}");
@@ -255,13 +249,7 @@ fn substitution_screen_counts_pruned_slots_and_lost_probability() {
         f.append(&buf, 2).unwrap();
         drop(f);
         let fresh = d.join(format!("o-{name}"));
-        let out = run(Command::new(ours())
-            .args(["select", "--reap"])
-            .arg(&sal)
-            .args(["--method", "frequency", "--k", "4", "--trace"])
-            .arg(&bad)
-            .arg("--out-dir")
-            .arg(&fresh));
+        let out = select_k4_with_trace(&sal, &bad, &fresh);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{name}: {err}");
         let id = if name == "bad-pick" { 9 } else { 40 };
@@ -403,4 +391,9 @@ fn prior_flags_that_change_nothing_are_warned_about() {
             assert_eq!(read(&dir.join("keep_reap_shrink_k8.json")), read(&plain.join("keep_reap_shrink_k8.json")));
         }
     }
+}
+
+/// `select --method frequency --k 4` with a `--trace`.
+fn select_k4_with_trace(sal: &Path, trace: &Path, out_dir: &Path) -> std::process::Output {
+    run(Command::new(ours()).args(["select", "--reap"]).arg(sal).args(["--method", "frequency", "--k", "4", "--trace"]).arg(trace).arg("--out-dir").arg(out_dir))
 }
