@@ -139,6 +139,23 @@ fn glm4moe_is_byte_identical() {
     p.assert_same_ppl();
 }
 
+/// Heads wider than n_embd / n_head (Qwen3-30B-A3B: n_embd 2048, 32 heads of 128; GLM-4.5-Air:
+/// 4096, 96 of 128): attn_output's input, and its imatrix entry, is n_head × head_dim wide.
+#[test]
+fn heads_wider_than_n_embd_are_byte_identical() {
+    for arch in ["qwen3moe", "glm4moe"] {
+        let key = format!("{arch}-hd32");
+        let model = fixture_with(&key, &["--arch", arch, "--head-dim", "32"]);
+        let p = run_both(&key, &model, "imatrix.gguf", &args(&["-c", "256", "-b", "256"]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // 4 heads of 32 against n_embd 64: the entry really is the wider one
+        assert_eq!(m.entries["blk.1.attn_output.weight"].sums.len(), 128, "{arch}");
+        assert_eq!(m.entries["blk.1.attn_q.weight"].sums.len(), 64, "{arch}");
+    }
+}
+
 #[test]
 fn two_sequences_per_batch() {
     let p = run_both("q3-c256", &fixture("qwen3moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "512"]));
