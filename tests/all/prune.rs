@@ -300,6 +300,20 @@ fn trace_rows(p: &Path) -> Vec<TraceRow> {
         .collect()
 }
 
+/// Per layer the `n` most selected experts, ascending.
+fn most_used(sal: &Saliency, n: usize) -> Vec<Vec<u16>> {
+    sal.layers
+        .iter()
+        .map(|l| {
+            let mut ids: Vec<u16> = (0..l.n_expert as u16).collect();
+            ids.sort_by_key(|&e| std::cmp::Reverse(l.count[e as usize]));
+            ids.truncate(n);
+            ids.sort_unstable();
+            ids
+        })
+        .collect()
+}
+
 fn close(a: f64, b: f64, rel: f64) -> bool {
     (a - b).abs() <= rel * a.abs().max(b.abs()).max(1e-12)
 }
@@ -370,17 +384,7 @@ fn kept_experts_route_and_compute_as_in_the_original() {
 
         // (2) 8 of 32: first MoE layer, tokens whose top-k were all kept
         // the 8 most used experts of each layer (the heavy hitters and the busiest middle ones)
-        let keep8: Vec<Vec<u16>> = sal
-            .layers
-            .iter()
-            .map(|l| {
-                let mut ids: Vec<u16> = (0..l.n_expert as u16).collect();
-                ids.sort_by_key(|&e| std::cmp::Reverse(l.count[e as usize]));
-                ids.truncate(8);
-                ids.sort_unstable();
-                ids
-            })
-            .collect();
+        let keep8 = most_used(&sal, 8);
         let map8 = write_map(&d.join("k8.json"), map_json(&keep8));
         let p8 = d.join("k8");
         std::fs::create_dir_all(&p8).unwrap();
@@ -758,4 +762,95 @@ fn group_routed_models_keep_the_same_number_in_every_group() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("keeps [8, 8, 0, 0] experts of its 4 expert groups") && !d.join("u.gguf").exists(), "{err}");
+}
+
+/// replay's --keep-map re-routing against the pruned model itself, on glm4moe (a sigmoid
+/// router whose choice adds the selection bias exp_probs_b). In the first MoE layer (block 1:
+/// block 0 is dense and unpruned, so its input is the original's) the pruned model's picks,
+/// mapped to the original ids, are the truth. Re-routed by probability + bias (read from the
+/// model, as `replay --model` does) every pick agrees; from a top-10 trace only the picks
+/// sure to beat every unlisted expert are named, and each of those agrees too. By probability
+/// alone, as replay did before, many tokens re-route wrongly; `replay` says so without --model.
+#[test]
+fn keep_map_rerouting_follows_the_pruned_model_under_a_selection_bias() {
+    use reap_imatrix::analyze::replay::engine::{Keep, Router, Shape};
+    use reap_imatrix::analyze::replay::gguf::selection_bias;
+    let d = temp_dir("prune-reroute-bias");
+    let model = fixture("glm4moe");
+    let trace_of = |dir: &Path, m: &Path, top_n: &str| {
+        std::fs::create_dir_all(dir).unwrap();
+        run_ok(Command::new(ours()).current_dir(dir).arg("-m").arg(m).arg("-f").arg(corpus()).args([
+            "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "--no-ppl", "-o", "imatrix.gguf", "--trace-out", "t.bin",
+            "--trace-top-n", top_n,
+        ]));
+        dir.join("t.bin")
+    };
+    let full = trace_of(&d.join("orig"), &model, "32");
+    let top10 = trace_of(&d.join("orig10"), &model, "10");
+    let sal = Saliency::read(&d.join("orig/imatrix.reap.json")).unwrap();
+    let blocks: Vec<u32> = sal.layers.iter().map(|l| l.layer).collect();
+    assert_eq!(blocks, [1, 2, 3]);
+    // 12 of 32 per layer: the most used, so that most tokens lose some of their picks
+    let keep = most_used(&sal, 12);
+    let layers: Vec<Value> = keep.iter().zip(&blocks).map(|(k, b)| json!({"layer": b, "keep": k})).collect();
+    let map = write_map(&d.join("k12.json"), json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": 12, "layers": layers}));
+    let pruned = d.join("p.gguf");
+    prune_ok(&model, &map, &pruned, &["--drop-nextn"]);
+    let truth: Vec<Vec<u16>> = trace_rows(&trace_of(&d.join("pruned"), &pruned, "12"))
+        .iter()
+        .map(|r| {
+            let mut v: Vec<u16> = r.3[0].iter().map(|&j| keep[0][j as usize]).collect();
+            v.sort_unstable();
+            v
+        })
+        .collect();
+
+    let ne = 32usize;
+    let mut flags = vec![false; blocks.len() * ne];
+    for (li, k) in keep.iter().enumerate() {
+        for &e in k {
+            flags[li * ne + e as usize] = true;
+        }
+    }
+    let bias = selection_bias(&model, &blocks, ne).unwrap().expect("glm4moe has exp_probs_b");
+    for (trace, name) in [(&full, "top-32"), (&top10, "top-10")] {
+        let tr = TraceReader::open(trace).unwrap();
+        assert_eq!(tr.n_rows as usize, truth.len());
+        let shape = Shape { n_layers: 3, n_expert: ne, k: tr.header.k as usize };
+        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias) }), false);
+        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None }), false);
+        let (mut wrong_plain, mut undecided) = (0, 0);
+        for (t, want) in truth.iter().enumerate() {
+            let row = tr.row(t as u64);
+            let r = biased.route(&row, 0);
+            let mut got = r.picks.to_vec();
+            got.sort_unstable();
+            if name == "top-32" {
+                assert_eq!(&got, want, "{name} row {t}: re-routed by p + b");
+            } else {
+                assert!(got.iter().all(|e| want.contains(e)), "{name} row {t}: {got:?} not within the pruned model's {want:?}");
+                undecided += r.forced;
+            }
+            let r = plain.route(&row, 0);
+            let mut got = r.picks.to_vec();
+            got.sort_unstable();
+            wrong_plain += (r.forced == 0 && &got != want) as u32;
+        }
+        if name == "top-32" {
+            assert!(wrong_plain > 20, "{name}: by probability alone only {wrong_plain} of {} rows re-route wrongly", truth.len());
+        }
+        eprintln!("{name}: {} rows, {wrong_plain} wrong by probability alone, {undecided} undecided slots by p + b", truth.len());
+    }
+
+    // the binary: --model re-routes by the bias; without it, a warning says what is missing
+    let out_json = d.join("r.json");
+    let o = run_ok(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(&full).arg("--keep-map").arg(&map).arg("--model").arg(&model).arg("--json").arg(&out_json));
+    let v: Value = serde_json::from_slice(&read(&out_json)).unwrap();
+    assert_eq!(v["keep_map"]["rerouting"], "probability + selection bias", "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(v["keep_map"]["forced_misses"], 0);
+    let o = run_ok(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(&full).arg("--keep-map").arg(&map).arg("--json").arg(&out_json));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("selection bias") && err.contains("--model GGUF"), "{err}");
+    let v: Value = serde_json::from_slice(&read(&out_json)).unwrap();
+    assert_eq!(v["keep_map"]["rerouting"], "probability");
 }

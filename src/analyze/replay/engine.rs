@@ -119,15 +119,40 @@ impl<F: Family + ?Sized> Family for &mut F {
     }
 }
 
+/// What a keep map re-routes by: its survivor flags (`n_layers × n_expert`) and, for a router
+/// whose choice adds a selection bias to its probabilities (`exp_probs_b`, GLM-4.5 and
+/// DeepSeek-V3), that bias (same layout).
+#[derive(Clone, Copy, Debug)]
+pub struct Keep<'a> {
+    pub flags: &'a [bool],
+    pub bias: Option<&'a [f32]>,
+}
+
+impl<'a> From<&'a [bool]> for Keep<'a> {
+    fn from(flags: &'a [bool]) -> Self {
+        Keep { flags, bias: None }
+    }
+}
+
 /// Routing of one (token, layer): the model's own picks, or with a keep map the first k
-/// surviving candidates in router order.
+/// surviving candidates in router order (with a selection bias: the k best surviving
+/// candidates by probability + bias, as many of them as are sure to beat every expert the
+/// trace does not list).
 pub struct Router<'a> {
     pub shape: Shape,
-    /// `n_layers × n_expert` survivor flags
-    pub keep: Option<&'a [bool]>,
+    pub keep: Option<Keep<'a>>,
     pub want_ranks: bool,
     ids: Vec<u16>,
     ranks: Vec<u16>,
+    /// with a bias: the chosen survivors' scores, best first
+    scores: Vec<f32>,
+    /// with a bias, per layer: the largest bias of a kept expert, and the kept experts by
+    /// bias, largest first (for the bound on an expert the trace does not list)
+    max_bias: Vec<f32>,
+    by_bias: Vec<Vec<u16>>,
+    /// `listed[e] == stamp`: e is among this (token, layer)'s candidates
+    listed: Vec<u32>,
+    stamp: u32,
 }
 
 /// What `Router::route` hands back.
@@ -139,18 +164,31 @@ pub struct Routed<'r> {
 }
 
 impl<'a> Router<'a> {
-    pub fn new(shape: Shape, keep: Option<&'a [bool]>, want_ranks: bool) -> Self {
-        Router { shape, keep, want_ranks, ids: vec![0; shape.k], ranks: vec![NONE; shape.k] }
+    pub fn new(shape: Shape, keep: Option<Keep<'a>>, want_ranks: bool) -> Self {
+        let (ne, nl) = (shape.n_expert, shape.n_layers);
+        let (mut max_bias, mut by_bias) = (Vec::new(), Vec::new());
+        if let Some(Keep { flags, bias: Some(b) }) = keep {
+            for li in 0..nl {
+                let (f, b) = (&flags[li * ne..(li + 1) * ne], &b[li * ne..(li + 1) * ne]);
+                let mut kept: Vec<u16> = (0..ne as u16).filter(|&e| f[e as usize]).collect();
+                kept.sort_by(|&x, &y| b[y as usize].total_cmp(&b[x as usize]));
+                max_bias.push(kept.first().map_or(f32::NEG_INFINITY, |&e| b[e as usize]));
+                by_bias.push(kept);
+            }
+        }
+        let listed = if max_bias.is_empty() { Vec::new() } else { vec![0; ne] };
+        Router { shape, keep, want_ranks, ids: vec![0; shape.k], ranks: vec![NONE; shape.k], scores: vec![0.0; shape.k], max_bias, by_bias, listed, stamp: 0 }
     }
 
     pub fn keep_layer(&self, li: usize) -> Option<&'a [bool]> {
         let ne = self.shape.n_expert;
-        self.keep.map(|k| &k[li * ne..(li + 1) * ne])
+        self.keep.map(|k| &k.flags[li * ne..(li + 1) * ne])
     }
 
     #[inline]
     pub fn route<'r>(&'r mut self, row: &Row<'r>, li: usize) -> Routed<'r> {
         let k = self.shape.k;
+        let ne = self.shape.n_expert;
         match self.keep_layer(li) {
             None => {
                 let sel = row.sel_ids(li);
@@ -164,21 +202,93 @@ impl<'a> Router<'a> {
                 }
                 Routed { picks: sel, ranks: &self.ranks[..sel.len()], forced: 0 }
             }
-            Some(keep) => {
-                let mut n = 0;
-                for (r, &e) in row.cand_ids(li).iter().enumerate() {
-                    if keep.get(e as usize).copied().unwrap_or(false) {
-                        self.ids[n] = e;
-                        self.ranks[n] = r as u16;
-                        n += 1;
-                        if n == k {
-                            break;
+            Some(keep) => match self.keep.and_then(|kp| kp.bias) {
+                Some(b) => {
+                    let n = self.route_biased(row, li, keep, &b[li * ne..(li + 1) * ne]);
+                    Routed { picks: &self.ids[..n], ranks: &self.ranks[..n], forced: k - n }
+                }
+                None => {
+                    let mut n = 0;
+                    for (r, &e) in row.cand_ids(li).iter().enumerate() {
+                        if keep.get(e as usize).copied().unwrap_or(false) {
+                            self.ids[n] = e;
+                            self.ranks[n] = r as u16;
+                            n += 1;
+                            if n == k {
+                                break;
+                            }
                         }
                     }
+                    Routed { picks: &self.ids[..n], ranks: &self.ranks[..n], forced: k - n }
                 }
-                Routed { picks: &self.ids[..n], ranks: &self.ranks[..n], forced: k - n }
+            },
+        }
+    }
+
+    /// The pruned model's choice under a selection bias, as llama.cpp makes it: the top k of
+    /// p + b over the kept experts (p the router probability, f32 addition as the graph's).
+    /// The trace lists the top-N candidates by p; an expert it does not list has p at most the
+    /// last candidate's, so it scores at most that plus its bias. Returns how many of the best
+    /// surviving candidates are sure to be picks (each scoring above every unlisted kept
+    /// expert's bound); the slots after them are unknown, and count as forced misses.
+    fn route_biased(&mut self, row: &Row, li: usize, keep: &[bool], b: &[f32]) -> usize {
+        let k = self.shape.k;
+        let (cand, cp) = (row.cand_ids(li), row.cand_probs(li));
+        let max_b = self.max_bias[li];
+        let mut n = 0;
+        for (r, (&e, &p)) in cand.iter().zip(cp).enumerate() {
+            // candidates come best p first: none after this one can beat the k-th (a tie
+            // goes to the earlier candidate, as here)
+            if n == k && p + max_b <= self.scores[k - 1] {
+                break;
+            }
+            if !keep.get(e as usize).copied().unwrap_or(false) {
+                continue;
+            }
+            let s = p + b[e as usize];
+            // (a NaN score never displaces a pick)
+            if n == k && s.partial_cmp(&self.scores[k - 1]) != Some(std::cmp::Ordering::Greater) {
+                continue;
+            }
+            let mut j = if n < k {
+                n += 1;
+                n - 1
+            } else {
+                k - 1
+            };
+            while j > 0 && s > self.scores[j - 1] {
+                self.scores[j] = self.scores[j - 1];
+                self.ids[j] = self.ids[j - 1];
+                self.ranks[j] = self.ranks[j - 1];
+                j -= 1;
+            }
+            self.scores[j] = s;
+            self.ids[j] = e;
+            self.ranks[j] = r as u16;
+        }
+        if cand.len() >= self.shape.n_expert || n == 0 {
+            return n; // every expert listed: nothing unknown can outrank
+        }
+        let p_last = cp[cand.len() - 1];
+        // cheap first: the largest kept bias, listed or not
+        if self.scores[n - 1] > p_last + max_b {
+            return n;
+        }
+        // the largest bias of a kept expert the trace does not list
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.listed.fill(0);
+            self.stamp = 1;
+        }
+        for &e in cand {
+            if let Some(m) = self.listed.get_mut(e as usize) {
+                *m = self.stamp;
             }
         }
+        let unlisted = self.by_bias[li].iter().find(|&&e| self.listed[e as usize] != self.stamp);
+        let Some(&u) = unlisted else { return n };
+        let bound = p_last + b[u as usize];
+        self.scores[..n].iter().take_while(|&&s| s > bound).count()
     }
 }
 
@@ -197,7 +307,7 @@ pub struct Forced {
 /// Belady's next-use array for rows `rows` (one backward pass): entry `((t·L + li)·k + j)` is
 /// the relative token index of the next use of pick j of (t, li) in layer li, `u32::MAX` when
 /// never. Slots a token does not fill stay unused.
-pub fn next_uses(trace: &TraceReader, rows: &Rows, shape: Shape, keep: Option<&[bool]>) -> Result<Vec<u32>> {
+pub fn next_uses(trace: &TraceReader, rows: &Rows, shape: Shape, keep: Option<Keep>) -> Result<Vec<u32>> {
     let (nl, ne, k) = (shape.n_layers, shape.n_expert, shape.k);
     let n = rows.len();
     let mut next = vec![u32::MAX; n * nl * k];
@@ -240,7 +350,7 @@ pub fn run(
     trace: &TraceReader,
     rows: impl Into<Rows>,
     shape: Shape,
-    keep: Option<&[bool]>,
+    keep: Option<Keep>,
     families: &mut [Box<dyn Family + '_>],
 ) -> Result<(Forced, Vec<PhaseSplit>)> {
     let rows: Rows = rows.into();
@@ -281,7 +391,13 @@ pub fn run(
     };
     // candidates read per (token, layer): what the policies ask for, and the keep map's
     // re-routing (usually within the first 2k)
-    let depth = depth.max(if keep.is_some() { 2 * shape.k } else { 0 }).min(trace.header.top_n as usize);
+    // (with a selection bias, possibly all of them)
+    let reroute_depth = match keep {
+        Some(Keep { bias: Some(_), .. }) => trace.header.top_n as usize,
+        Some(_) => 2 * shape.k,
+        None => 0,
+    };
+    let depth = depth.max(reroute_depth).min(trace.header.top_n as usize);
     let reads_candidates = depth > 0;
     let n = rows.len();
     for ti in 0..n {
@@ -367,7 +483,7 @@ pub fn belady_family(
     trace: &TraceReader,
     rows: &Rows,
     shape: Shape,
-    keep: Option<&[bool]>,
+    keep: Option<Keep>,
     caps: &[Vec<usize>],
 ) -> Result<belady::Belady> {
     Ok(belady::Belady::new(shape, caps, next_uses(trace, rows, shape, keep)?))

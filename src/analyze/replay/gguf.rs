@@ -1,9 +1,11 @@
-//! Bytes of one routed expert per layer, from a GGUF's tensor infos (no tensor data is read):
-//! the byte size of `blk.L.ffn_{gate,up,down}_exps.weight` (or a fused `ffn_gate_up_exps`)
-//! divided by the expert count, in whatever type each tensor is stored.
+//! What replay reads from the model GGUF: the bytes of one routed expert per layer, from the
+//! tensor infos (the byte size of `blk.L.ffn_{gate,up,down}_exps.weight`, or a fused
+//! `ffn_gate_up_exps`, divided by the expert count, in whatever type each tensor is stored),
+//! and the router's selection bias (`blk.L.exp_probs_b.bias`, n_expert f32), the only tensor
+//! data it reads.
 
 use crate::llama::sys;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context as _, Result};
 use std::ffi::CString;
 use std::path::Path;
 
@@ -16,8 +18,7 @@ impl Drop for Gguf {
     }
 }
 
-/// `(bytes per expert, tensor names)` for each block in `layers`.
-pub fn expert_bytes(model: &Path, layers: &[u32], n_expert: usize) -> Result<Vec<u64>> {
+fn open(model: &Path) -> Result<Gguf> {
     let Ok(c) = CString::new(model.to_string_lossy().as_bytes()) else { bail!("{}: path holds a NUL byte", model.display()) };
     if !model.is_file() {
         bail!("{}: no such file", model.display());
@@ -27,7 +28,69 @@ pub fn expert_bytes(model: &Path, layers: &[u32], n_expert: usize) -> Result<Vec
     if g.is_null() {
         bail!("{}: not a readable GGUF file", model.display());
     }
-    let g = Gguf(g);
+    Ok(Gguf(g))
+}
+
+/// The selection bias of each block in `layers` (`layers.len() × n_expert`, layer-major), or
+/// None when the model has none (a router that selects by its probabilities alone). A model
+/// with the bias in some of those blocks only is refused, naming the first block without it.
+pub fn selection_bias(model: &Path, layers: &[u32], n_expert: usize) -> Result<Option<Vec<f32>>> {
+    use std::os::unix::fs::FileExt as _;
+    let g = open(model)?;
+    let file = std::fs::File::open(model).with_context(|| format!("{}", model.display()))?;
+    let mut out = Vec::with_capacity(layers.len() * n_expert);
+    let mut missing = None;
+    for &l in layers {
+        let name = format!("blk.{l}.exp_probs_b.bias");
+        let cn = CString::new(name.clone()).unwrap();
+        // SAFETY: g is a live context; ids come from gguf_find_tensor; ne points at 4 i64.
+        let (ne, ty, off) = unsafe {
+            let id = sys::gguf_find_tensor(g.0, cn.as_ptr());
+            if id < 0 {
+                missing.get_or_insert(l);
+                continue;
+            }
+            let ne = std::slice::from_raw_parts(sys::gguf_get_tensor_ne(g.0, id), 4).to_vec();
+            (ne, sys::gguf_get_tensor_type(g.0, id), sys::gguf_get_data_offset(g.0) + sys::gguf_get_tensor_offset(g.0, id))
+        };
+        if ty != sys::GGML_TYPE_F32 || ne[0] as usize != n_expert || ne[1..].iter().any(|&n| n != 1) {
+            bail!("{}: {name} is not {n_expert} f32 values (type {ty}, shape {ne:?}); the trace has {n_expert} experts", model.display());
+        }
+        let mut bytes = vec![0u8; n_expert * 4];
+        file.read_exact_at(&mut bytes, off as u64).with_context(|| format!("{}: reading {name} (truncated file?)", model.display()))?;
+        out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+    }
+    match missing {
+        None => Ok(Some(out)),
+        Some(_) if out.is_empty() => Ok(None),
+        Some(l) => bail!("{}: block {l} has no blk.{l}.exp_probs_b.bias, other MoE blocks have one (a model of another layout?)", model.display()),
+    }
+}
+
+/// `<arch>.expert_group_count` (DeepSeek-V3's group-limited routing), when above 1.
+pub fn expert_groups(model: &Path) -> Result<Option<u32>> {
+    let g = open(model)?;
+    // SAFETY: g is a live context; keys are looked up before their values are read, with the
+    // types checked.
+    unsafe {
+        let arch_key = CString::new("general.architecture").unwrap();
+        let id = sys::gguf_find_key(g.0, arch_key.as_ptr());
+        if id < 0 || sys::gguf_get_kv_type(g.0, id) != sys::GGUF_TYPE_STRING {
+            return Ok(None);
+        }
+        let arch = std::ffi::CStr::from_ptr(sys::gguf_get_val_str(g.0, id)).to_string_lossy().into_owned();
+        let key = CString::new(format!("{arch}.expert_group_count")).unwrap();
+        let id = sys::gguf_find_key(g.0, key.as_ptr());
+        if id < 0 || sys::gguf_get_kv_type(g.0, id) != sys::GGUF_TYPE_UINT32 {
+            return Ok(None);
+        }
+        Ok(Some(sys::gguf_get_val_u32(g.0, id)).filter(|&n| n > 1))
+    }
+}
+
+/// `(bytes per expert, tensor names)` for each block in `layers`.
+pub fn expert_bytes(model: &Path, layers: &[u32], n_expert: usize) -> Result<Vec<u64>> {
+    let g = open(model)?;
     let mut out = Vec::with_capacity(layers.len());
     for &l in layers {
         let mut bytes = 0u64;

@@ -19,7 +19,7 @@ use crate::formats::atomic;
 use crate::formats::saliency::Saliency;
 use crate::formats::trace::TraceReader;
 use anyhow::{anyhow, Result};
-use engine::{Family, Forced, Rows, Shape, SimCounts};
+use engine::{Family, Forced, Keep, Rows, Shape, SimCounts};
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -100,7 +100,8 @@ pub struct ReplayArgs {
     /// Cache sizes in MiB per layer, comma-separated: floor(M MiB / expert bytes) experts (needs --model)
     #[arg(long = "capacity-mib", value_name = "M[,M…]", value_delimiter = ',')]
     pub capacity_mib: Vec<f64>,
-    /// The model GGUF, for each layer's expert byte size (--capacity-mib)
+    /// The model GGUF: each layer's expert byte size (--capacity-mib) and the router's selection
+    /// bias, which --keep-map re-routes by (GLM-4.5, DeepSeek-V3: exp_probs_b)
     #[arg(long, value_name = "GGUF")]
     pub model: Option<PathBuf>,
     /// Re-route every token to its first k candidates that the keep map keeps
@@ -192,6 +193,7 @@ pub fn simulate(
     trace: &TraceReader,
     rows: impl Into<Rows>,
     keep: Option<&[bool]>,
+    bias: Option<&[f32]>,
     policies: &[Policy],
     caps: &[Vec<usize>],
     decay: f64,
@@ -199,6 +201,7 @@ pub fn simulate(
     near_pick_weight: f64,
 ) -> Result<(Vec<Outcome>, Forced)> {
     let rows: Rows = rows.into();
+    let keep = keep.map(|flags| Keep { flags, bias });
     let h = &trace.header;
     let shape = Shape { n_layers: h.n_layers(), n_expert: h.n_expert as usize, k: h.k as usize };
     let mut fams: Vec<Box<dyn Family>> = Vec::new();
@@ -259,8 +262,11 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
             r.display()
         )));
     }
-    if let (Some(m), true) = (&args.model, args.capacity_mib.is_empty()) {
-        return Err(usage(format!("--model {}: needs --capacity-mib (the model is read only for the experts' byte sizes)", m.display())));
+    if let (Some(m), true, None) = (&args.model, args.capacity_mib.is_empty(), &args.keep_map) {
+        return Err(usage(format!(
+            "--model {}: needs --capacity-mib or --keep-map (the model is read only for the experts' byte sizes and the router's selection bias)",
+            m.display()
+        )));
     }
     // a replay of a long trace takes a while: a --json it cannot write fails now, not after it
     if let Some(out) = &args.json {
@@ -368,6 +374,33 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     if let Some((_, note)) = &validity {
         eprintln!("note: {note}");
     }
+    let bias = match (&km, &args.model) {
+        (Some(_), Some(model)) => gguf::selection_bias(model, &h.layers, ne).map_err(|e| usage(format!("--model: {e:#}")))?,
+        _ => None,
+    };
+    let rerouting = if bias.is_some() { "probability + selection bias" } else { "probability" };
+    if let Some((p, _)) = &km {
+        if let Some(groups) = args.model.as_deref().map(gguf::expert_groups).transpose().map_err(|e| usage(format!("--model: {e:#}")))?.flatten() {
+            let w = format!(
+                "the model routes within {groups} expert groups (expert_group_count); re-routing for --keep-map {} does not model the choice of groups",
+                p.display()
+            );
+            eprintln!("warning: {w}");
+            warnings.push(w);
+        }
+        if bias.is_none() {
+            let off = picks_off_candidates(&trace, &visit);
+            if off > 0 {
+                let w = format!(
+                    "{off} token-layers pick experts other than their first k candidates: the router adds a selection bias, which \
+                     re-routing for --keep-map {} ignores without the model (give --model GGUF to re-route by probability + bias)",
+                    p.display()
+                );
+                eprintln!("warning: {w}");
+                warnings.push(w);
+            }
+        }
+    }
 
     // ---- run
     let mut policies: Vec<Policy> = Vec::new();
@@ -389,6 +422,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         &trace,
         visit,
         keep_flags.as_deref(),
+        bias.as_deref(),
         &run_policies,
         &cap_layers,
         args.ema_decay,
@@ -423,6 +457,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         validity.as_ref().map(|v| &v.0),
         expert_bytes.as_deref(),
         near_pick_n,
+        rerouting,
         &warnings,
     );
     crate::analyze::select::print_stdout(&text)?;
@@ -442,6 +477,22 @@ fn thread_cpu_seconds() -> f64 {
         return 0.0;
     }
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// Token-layers of `rows` whose picks are not (as a set) their first k candidates: the mark of
+/// a selection bias (or a damaged trace), which re-routing by probability order cannot follow.
+fn picks_off_candidates(trace: &TraceReader, rows: &Rows) -> u64 {
+    let nl = trace.header.n_layers();
+    let mut off = 0;
+    for i in 0..rows.len() {
+        let row = trace.row(rows.get(i));
+        for li in 0..nl {
+            let (sel, cand) = (row.sel_ids(li), row.cand_ids(li));
+            let first = &cand[..sel.len().min(cand.len())];
+            off += sel.iter().any(|e| !first.contains(e)) as u64;
+        }
+    }
+    off
 }
 
 /// Ids must stay below engine::NONE.
@@ -614,6 +665,7 @@ fn report(
     validity: Option<&Value>,
     expert_bytes: Option<&[u64]>,
     near_pick_n: usize,
+    rerouting: &str,
     warnings: &[String],
 ) -> (String, Value) {
     let h = &trace.header;
@@ -643,12 +695,13 @@ fn report(
     if let Some((p, m)) = km {
         let _ = writeln!(
             t,
-            "keep map: {} ({} K={}): {short_total} token-layers with fewer than k = {} survivors in the top-{}, {forced_total} forced misses",
+            "keep map: {} ({} K={}, re-routed by {rerouting}): {short_total} token-layers with fewer than k = {} survivors in the top-{}{}, {forced_total} forced misses",
             p.display(),
             if m.method.is_empty() { "?" } else { &m.method },
             m.k,
             h.k,
-            h.top_n
+            h.top_n,
+            if rerouting == "probability" { "" } else { " sure to beat every unlisted expert" }
         );
     }
     let totals = |o: &Outcome| {
@@ -791,6 +844,7 @@ fn report(
             "path": p.display().to_string(),
             "method": m.method,
             "k": m.k,
+            "rerouting": rerouting,
             "tokens_short": short_total,
             "forced_misses": forced_total,
             "layers": (0..nl).map(|li| json!({"layer": h.layers[li], "tokens_short": forced.tokens_short[li], "forced_misses": forced.forced[li]})).collect::<Vec<_>>(),

@@ -55,7 +55,7 @@ fn single(seq: &[u16], probs: Option<&[f32]>) -> Vec<Tok> {
 fn misses(path: &Path, policy: Policy, cap: usize, decay: f64) -> (u64, u64) {
     let tr = TraceReader::open(path).unwrap();
     let caps = vec![vec![cap; tr.header.n_layers()]];
-    let (o, f) = simulate(&tr, 0..tr.n_rows, None, &[policy], &caps, decay, 48, 1.0).unwrap();
+    let (o, f) = simulate(&tr, 0..tr.n_rows, None, None, &[policy], &caps, decay, 48, 1.0).unwrap();
     assert_eq!(f.forced.iter().sum::<u64>(), 0);
     (o[0].hits.iter().sum(), o[0].misses.iter().sum())
 }
@@ -133,7 +133,7 @@ fn keep_map_reroutes_and_counts_forced_misses() {
     let p = write_trace("keep", 4, 2, 3, &toks);
     let tr = TraceReader::open(&p).unwrap();
     let keep = vec![true, false, false, true];
-    let (o, f) = simulate(&tr, 0..3, Some(&keep), &[Policy::Lru, Policy::Belady], &[vec![2]], 0.99, 48, 1.0).unwrap();
+    let (o, f) = simulate(&tr, 0..3, Some(&keep), None, &[Policy::Lru, Policy::Belady], &[vec![2]], 0.99, 48, 1.0).unwrap();
     assert_eq!(f.forced, vec![2]);
     assert_eq!(f.tokens_short, vec![2]);
     for x in &o {
@@ -146,9 +146,9 @@ fn keep_map_reroutes_and_counts_forced_misses() {
 fn token_ranges_replay_only_those_rows() {
     let p = write_trace("range", 4, 1, 1, &single(&[0, 1, 2, 3, 0, 1, 2, 3], None));
     let tr = TraceReader::open(&p).unwrap();
-    let (o, _) = simulate(&tr, 4..8, None, &[Policy::Lru], &[vec![4]], 0.99, 48, 1.0).unwrap();
+    let (o, _) = simulate(&tr, 4..8, None, None, &[Policy::Lru], &[vec![4]], 0.99, 48, 1.0).unwrap();
     assert_eq!((o[0].hits[0], o[0].misses[0]), (0, 4));
-    let (o, _) = simulate(&tr, 0..8, None, &[Policy::Lru], &[vec![4]], 0.99, 48, 1.0).unwrap();
+    let (o, _) = simulate(&tr, 0..8, None, None, &[Policy::Lru], &[vec![4]], 0.99, 48, 1.0).unwrap();
     assert_eq!((o[0].hits[0], o[0].misses[0]), (4, 4));
     assert_eq!(parse_range("2..5", 8).unwrap(), 2..5);
     assert_eq!(parse_range("3..", 8).unwrap(), 3..8);
@@ -264,7 +264,7 @@ const ALL: [Policy; 6] = [Policy::Lru, Policy::Lfu, Policy::Ema, Policy::NearPic
 fn compare_with_naive(tr: &TraceReader, rows: Range<u64>, keep: Option<&[bool]>, caps: &[usize], decay: f64) {
     let nl = tr.header.n_layers();
     let cap_l: Vec<Vec<usize>> = caps.iter().map(|&c| vec![c; nl]).collect();
-    let (out, _) = simulate(tr, rows.clone(), keep, &ALL, &cap_l, decay, 4, 0.7).unwrap();
+    let (out, _) = simulate(tr, rows.clone(), keep, None, &ALL, &cap_l, decay, 4, 0.7).unwrap();
     for o in &out {
         let policy = *ALL.iter().find(|p| p.name() == o.policy).unwrap();
         let n = Naive { policy, decay, near_n: 4, near_w: 0.7, keep };
@@ -283,7 +283,7 @@ fn every_policy_matches_the_naive_reference_and_lazy_decay_matches_eager_exactly
     }
     // the trace makes the caches work: at C = 3 every policy misses well beyond the cold
     // misses, and Belady least
-    let (out, _) = simulate(&tr, 0..3000, None, &ALL, &[vec![3, 3]], 0.9, 4, 0.7).unwrap();
+    let (out, _) = simulate(&tr, 0..3000, None, None, &ALL, &[vec![3, 3]], 0.9, 4, 0.7).unwrap();
     let total = |p: &str| out.iter().find(|o| o.policy == p).map(|o| o.misses.iter().sum::<u64>()).unwrap();
     for p in ALL {
         assert!(total(p.name()) > 1000, "{}: {}", p.name(), total(p.name()));
@@ -309,7 +309,7 @@ fn every_policy_matches_the_naive_reference_and_lazy_decay_matches_eager_exactly
     }
     compare_with_naive(&tr, 500..2500, Some(&keep), &[2, 4], 0.9);
     let sparse: Vec<bool> = (0..24).map(|i| i % 4 == 0).collect();
-    let (_, f) = simulate(&tr, 0..3000, Some(&sparse), &[Policy::Lru], &[vec![2, 2]], 0.9, 4, 1.0).unwrap();
+    let (_, f) = simulate(&tr, 0..3000, Some(&sparse), None, &[Policy::Lru], &[vec![2, 2]], 0.9, 4, 1.0).unwrap();
     assert!(f.forced.iter().sum::<u64>() > 0, "the sparse map leaves some tokens short");
     compare_with_naive(&tr, 0..3000, Some(&sparse), &[2, 3], 0.5);
 }
@@ -325,4 +325,70 @@ fn ranks_are_none_for_picks_outside_the_candidates() {
     let row = tr.row(0);
     let x = r.route(&row, 0);
     assert_eq!((x.picks, x.ranks), (&[3u16][..], &[NONE][..]));
+}
+
+/// Re-routing under a selection bias, against the full truth: random sigmoid-like
+/// probabilities and biases for every expert; the pruned model's picks are the top k of p + b
+/// over the kept experts. A trace listing every expert must re-route to exactly those; one
+/// listing only the top-N by p must give a prefix of them (never a wrong pick), with the rest
+/// forced, and must find the whole top-k whenever a brute-force bound says it is decidable.
+#[test]
+fn biased_rerouting_matches_the_top_k_of_probability_plus_bias() {
+    use crate::fixture::rng::Rng;
+    let (ne, k) = (16usize, 3usize);
+    let mut rng = Rng::stream(7, "biased-reroute");
+    let keep: Vec<bool> = (0..ne).map(|e| e % 3 != 1).collect();
+    let bias: Vec<f32> = (0..ne).map(|_| (rng.normal() * 0.15) as f32).collect();
+    let (mut decided_partly, mut short) = (0, 0);
+    for top_n in [ne, 8, 5] {
+        let mut toks = Vec::new();
+        let mut truth = Vec::new();
+        let mut full = Vec::new();
+        for _ in 0..400 {
+            let p: Vec<f32> = (0..ne).map(|_| rng.uniform() as f32).collect();
+            let mut by_p: Vec<u16> = (0..ne as u16).collect();
+            by_p.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+            let mut by_s: Vec<u16> = (0..ne as u16).filter(|&e| keep[e as usize]).collect();
+            let s = |e: u16| p[e as usize] + bias[e as usize];
+            by_s.sort_by(|&a, &b| s(b).total_cmp(&s(a)));
+            truth.push(by_s[..k].to_vec());
+            full.push((p.clone(), by_p.clone()));
+            let cand = by_p[..top_n].to_vec();
+            let prob = cand.iter().map(|&e| p[e as usize]).collect();
+            // the model's own picks (unpruned) do not matter to a keep-map replay
+            toks.push(Tok { sel: vec![by_p[..k].to_vec()], cand: vec![cand], prob: vec![prob] });
+        }
+        let path = write_trace(&format!("biased-{top_n}"), ne as u32, k as u32, top_n as u32, &toks);
+        let tr = TraceReader::open(&path).unwrap();
+        let shape = Shape { n_layers: 1, n_expert: ne, k };
+        let mut r = engine::Router::new(shape, Some(Keep { flags: &keep, bias: Some(&bias) }), true);
+        for t in 0..toks.len() {
+            let row = tr.row(t as u64);
+            let x = r.route(&row, 0);
+            let n = x.picks.len();
+            assert_eq!(x.forced, k - n);
+            assert_eq!(x.picks, &truth[t][..n], "top-{top_n} token {t}: a wrong pick");
+            for (&e, &rk) in x.picks.iter().zip(x.ranks) {
+                assert_eq!(toks[t].cand[0][rk as usize], e, "rank of pick {e}");
+            }
+            if top_n == ne {
+                assert_eq!(n, k, "every expert listed: all decidable");
+                continue;
+            }
+            // brute force: pick j is decidable iff its score beats every unlisted kept
+            // expert's best case (p equal to the last candidate's)
+            let (p, by_p) = &full[t];
+            let p_last = p[by_p[top_n - 1] as usize];
+            let bound = by_p[top_n..].iter().filter(|&&e| keep[e as usize]).map(|&e| p_last + bias[e as usize]).fold(f32::NEG_INFINITY, f32::max);
+            let listed_kept: Vec<u16> = by_p[..top_n].iter().copied().filter(|&e| keep[e as usize]).collect();
+            let mut listed_by_s = listed_kept.clone();
+            listed_by_s.sort_by(|&a, &b| (p[b as usize] + bias[b as usize]).total_cmp(&(p[a as usize] + bias[a as usize])));
+            let want = listed_by_s.iter().take(k).take_while(|&&e| p[e as usize] + bias[e as usize] > bound).count();
+            assert_eq!(n, want, "top-{top_n} token {t}: decidable picks");
+            decided_partly += (0 < n && n < k) as u32;
+            short += (n < k) as u32;
+        }
+    }
+    // the cases the bound exists for did occur
+    assert!(decided_partly > 0 && short > 0, "{decided_partly} {short}");
 }
