@@ -764,19 +764,25 @@ fn group_routed_models_keep_the_same_number_in_every_group() {
     assert!(err.contains("keeps [8, 8, 0, 0] experts of its 4 expert groups") && !d.join("u.gguf").exists(), "{err}");
 }
 
-/// replay's --keep-map re-routing against the pruned model itself, on glm4moe (a sigmoid
-/// router whose choice adds the selection bias exp_probs_b). In the first MoE layer (block 1:
-/// block 0 is dense and unpruned, so its input is the original's) the pruned model's picks,
-/// mapped to the original ids, are the truth. Re-routed by probability + bias (read from the
-/// model, as `replay --model` does) every pick agrees; from a top-10 trace only the picks
-/// sure to beat every unlisted expert are named, and each of those agrees too. By probability
-/// alone, as replay did before, many tokens re-route wrongly; `replay` says so without --model.
+/// replay's --keep-map re-routing against the pruned model itself, on glm4moe (a router whose
+/// choice adds the selection bias exp_probs_b): sigmoid, and with `--softmax-router` a softmax
+/// (which pruning renormalises over the kept experts). In the first MoE layer (block 1: block
+/// 0 is dense and unpruned, so its input is the original's) the pruned model's picks, mapped to
+/// the original ids, are the truth. Re-routed as `replay --model` does, every pick agrees; from
+/// a top-10 trace only picks sure to be made are named, each agreeing too (a softmax router
+/// needs every expert listed: replay refuses). By probability order alone, as replay did
+/// before, many tokens re-route wrongly, and `replay` says so without --model.
 #[test]
 fn keep_map_rerouting_follows_the_pruned_model_under_a_selection_bias() {
+    reroute_against_the_pruned_model("glm4moe", &["--arch", "glm4moe"], false);
+    reroute_against_the_pruned_model("glm4moe-softmax", &["--arch", "glm4moe", "--softmax-router"], true);
+}
+
+fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: bool) {
     use reap_imatrix::analyze::replay::engine::{Keep, Router, Shape};
     use reap_imatrix::analyze::replay::gguf::selection_bias;
-    let d = temp_dir("prune-reroute-bias");
-    let model = fixture("glm4moe");
+    let d = temp_dir(&format!("prune-reroute-{key}"));
+    let model = fixture_with(key, fixture_args);
     let trace_of = |dir: &Path, m: &Path, top_n: &str| {
         std::fs::create_dir_all(dir).unwrap();
         run_ok(Command::new(ours()).current_dir(dir).arg("-m").arg(m).arg("-f").arg(corpus()).args([
@@ -788,6 +794,7 @@ fn keep_map_rerouting_follows_the_pruned_model_under_a_selection_bias() {
     let full = trace_of(&d.join("orig"), &model, "32");
     let top10 = trace_of(&d.join("orig10"), &model, "10");
     let sal = Saliency::read(&d.join("orig/imatrix.reap.json")).unwrap();
+    assert_eq!(sal.routing().probs_op.as_deref() == Some("SOFT_MAX"), softmax, "{key}");
     let blocks: Vec<u32> = sal.layers.iter().map(|l| l.layer).collect();
     assert_eq!(blocks, [1, 2, 3]);
     // 12 of 32 per layer: the most used, so that most tokens lose some of their picks
@@ -814,43 +821,80 @@ fn keep_map_rerouting_follows_the_pruned_model_under_a_selection_bias() {
     }
     let bias = selection_bias(&model, &blocks, ne).unwrap().expect("glm4moe has exp_probs_b");
     for (trace, name) in [(&full, "top-32"), (&top10, "top-10")] {
+        if softmax && name == "top-10" {
+            continue; // refused below
+        }
         let tr = TraceReader::open(trace).unwrap();
         assert_eq!(tr.n_rows as usize, truth.len());
         let shape = Shape { n_layers: 3, n_expert: ne, k: tr.header.k as usize };
-        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias) }), false);
-        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None }), false);
-        let (mut wrong_plain, mut undecided) = (0, 0);
+        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: softmax }), false);
+        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None, renormalise: false }), false);
+        // a softmax's p + b without the renormalisation
+        let mut unnormalised = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false }), false);
+        let (mut wrong_plain, mut wrong_unnormalised, mut undecided) = (0, 0, 0);
         for (t, want) in truth.iter().enumerate() {
             let row = tr.row(t as u64);
             let r = biased.route(&row, 0);
             let mut got = r.picks.to_vec();
             got.sort_unstable();
             if name == "top-32" {
-                assert_eq!(&got, want, "{name} row {t}: re-routed by p + b");
+                assert_eq!(&got, want, "{key} {name} row {t}: re-routed");
             } else {
-                assert!(got.iter().all(|e| want.contains(e)), "{name} row {t}: {got:?} not within the pruned model's {want:?}");
+                assert!(got.iter().all(|e| want.contains(e)), "{key} {name} row {t}: {got:?} not within the pruned model's {want:?}");
                 undecided += r.forced;
             }
             let r = plain.route(&row, 0);
             let mut got = r.picks.to_vec();
             got.sort_unstable();
             wrong_plain += (r.forced == 0 && &got != want) as u32;
+            let r = unnormalised.route(&row, 0);
+            let mut got = r.picks.to_vec();
+            got.sort_unstable();
+            wrong_unnormalised += (r.forced == 0 && &got != want) as u32;
         }
+        assert_eq!(softmax, wrong_unnormalised > 0, "{key} {name}: {wrong_unnormalised} rows wrong by p + b unnormalised");
         if name == "top-32" {
-            assert!(wrong_plain > 20, "{name}: by probability alone only {wrong_plain} of {} rows re-route wrongly", truth.len());
+            assert!(wrong_plain > 20, "{key} {name}: by probability alone only {wrong_plain} of {} rows re-route wrongly", truth.len());
         }
-        eprintln!("{name}: {} rows, {wrong_plain} wrong by probability alone, {undecided} undecided slots by p + b", truth.len());
+        eprintln!(
+            "{key} {name}: {} rows, {wrong_plain} wrong by probability alone, {wrong_unnormalised} by p + b unnormalised, {undecided} undecided slots",
+            truth.len()
+        );
     }
 
     // the binary: --model re-routes by the bias; without it, a warning says what is missing
     let out_json = d.join("r.json");
-    let o = run_ok(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(&full).arg("--keep-map").arg(&map).arg("--model").arg(&model).arg("--json").arg(&out_json));
+    let replay = |trace: &Path, extra: &[&std::ffi::OsStr]| {
+        run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(trace).arg("--keep-map").arg(&map).arg("--json").arg(&out_json).args(extra))
+    };
+    let o = replay(&full, &["--model".as_ref(), model.as_os_str()]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
     let v: Value = serde_json::from_slice(&read(&out_json)).unwrap();
-    assert_eq!(v["keep_map"]["rerouting"], "probability + selection bias", "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(v["keep_map"]["forced_misses"], 0);
-    let o = run_ok(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(&full).arg("--keep-map").arg(&map).arg("--json").arg(&out_json));
+    let want = if softmax { "renormalised probability + selection bias" } else { "probability + selection bias" };
+    assert_eq!(v["keep_map"]["rerouting"], want, "{key}");
+    assert_eq!(v["keep_map"]["forced_misses"], 0, "{key}");
+    let o = replay(&full, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("selection bias") && err.contains("--model GGUF"), "{err}");
+    assert!(err.contains("selection bias") && err.contains("--model GGUF"), "{key}: {err}");
     let v: Value = serde_json::from_slice(&read(&out_json)).unwrap();
     assert_eq!(v["keep_map"]["rerouting"], "probability");
+    // a few rows of the trace: its first rows show the bias all the same
+    let o = replay(&full, &["--tokens".as_ref(), "500..502".as_ref()]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("selection bias"), "{}", String::from_utf8_lossy(&o.stderr));
+    if !softmax {
+        // a model of another expert count is not the trace's
+        let other = fixture_with("qwen3moe-e16", &["--experts", "16"]);
+        let o = replay(&full, &["--model".as_ref(), other.as_os_str()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("holds 16 experts, the trace has 32"), "{err}");
+    }
+    if softmax {
+        std::fs::remove_file(&out_json).unwrap();
+        let o = replay(&top10, &["--model".as_ref(), model.as_os_str()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("softmax") && err.contains("--trace-top-n 32"), "{err}");
+        assert!(!out_json.exists(), "nothing written on a refusal");
+    }
 }

@@ -126,11 +126,14 @@ impl<F: Family + ?Sized> Family for &mut F {
 pub struct Keep<'a> {
     pub flags: &'a [bool],
     pub bias: Option<&'a [f32]>,
+    /// the router's probabilities are a softmax over the experts, so the pruned model's are
+    /// renormalised over the kept ones (with a bias that changes the choice)
+    pub renormalise: bool,
 }
 
 impl<'a> From<&'a [bool]> for Keep<'a> {
     fn from(flags: &'a [bool]) -> Self {
-        Keep { flags, bias: None }
+        Keep { flags, bias: None, renormalise: false }
     }
 }
 
@@ -153,6 +156,9 @@ pub struct Router<'a> {
     /// `listed[e] == stamp`: e is among this (token, layer)'s candidates
     listed: Vec<u32>,
     stamp: u32,
+    /// the bounds of the unlisted kept experts of this (token, layer), largest first
+    bounds: Vec<f32>,
+    renormalise: bool,
 }
 
 /// What `Router::route` hands back.
@@ -167,7 +173,7 @@ impl<'a> Router<'a> {
     pub fn new(shape: Shape, keep: Option<Keep<'a>>, want_ranks: bool) -> Self {
         let (ne, nl) = (shape.n_expert, shape.n_layers);
         let (mut max_bias, mut by_bias) = (Vec::new(), Vec::new());
-        if let Some(Keep { flags, bias: Some(b) }) = keep {
+        if let Some(Keep { flags, bias: Some(b), .. }) = keep {
             for li in 0..nl {
                 let (f, b) = (&flags[li * ne..(li + 1) * ne], &b[li * ne..(li + 1) * ne]);
                 let mut kept: Vec<u16> = (0..ne as u16).filter(|&e| f[e as usize]).collect();
@@ -177,7 +183,9 @@ impl<'a> Router<'a> {
             }
         }
         let listed = if max_bias.is_empty() { Vec::new() } else { vec![0; ne] };
-        Router { shape, keep, want_ranks, ids: vec![0; shape.k], ranks: vec![NONE; shape.k], scores: vec![0.0; shape.k], max_bias, by_bias, listed, stamp: 0 }
+        let (ids, ranks, scores) = (vec![0; shape.k + 1], vec![NONE; shape.k + 1], vec![0.0; shape.k + 1]);
+        let renormalise = keep.is_some_and(|k| k.renormalise);
+        Router { shape, keep, want_ranks, ids, ranks, scores, max_bias, by_bias, listed, stamp: 0, bounds: Vec::new(), renormalise }
     }
 
     pub fn keep_layer(&self, li: usize) -> Option<&'a [bool]> {
@@ -226,35 +234,57 @@ impl<'a> Router<'a> {
     }
 
     /// The pruned model's choice under a selection bias, as llama.cpp makes it: the top k of
-    /// p + b over the kept experts (p the router probability, f32 addition as the graph's).
+    /// p' + b over the kept experts, p' the pruned router's probability (p itself for an
+    /// elementwise gate such as sigmoid; for a softmax p / Σ over the kept experts of p, which
+    /// needs every expert listed) and the f32 addition the graph's.
+    ///
     /// The trace lists the top-N candidates by p; an expert it does not list has p at most the
-    /// last candidate's, so it scores at most that plus its bias. Returns how many of the best
-    /// surviving candidates are sure to be picks (each scoring above every unlisted kept
-    /// expert's bound); the slots after them are unknown, and count as forced misses.
+    /// last candidate's, so it scores at most that plus its bias. A surviving candidate is named
+    /// a pick only when it is one whatever those unknown scores are and however exact ties
+    /// fall: when fewer than k kept experts (listed ones by score, unlisted ones by their bound)
+    /// can score at least as much. Returns how many are named (the best first); the other
+    /// slots are unknown and count as forced misses. A NaN score names none.
     fn route_biased(&mut self, row: &Row, li: usize, keep: &[bool], b: &[f32]) -> usize {
         let k = self.shape.k;
         let (cand, cp) = (row.cand_ids(li), row.cand_probs(li));
+        let all_listed = cand.len() >= self.shape.n_expert;
+        // a softmax router pruned: p' = p / S, S the kept experts' share of the probability
+        if self.renormalise && !all_listed {
+            return 0; // S is not known (replay refuses such a trace before it gets here)
+        }
+        let scale = if self.renormalise {
+            let s: f32 = cand.iter().zip(cp).filter(|(&e, _)| keep.get(e as usize).copied().unwrap_or(false)).map(|(_, &p)| p).sum();
+            if !(s > 0.0) {
+                return 0;
+            }
+            Some(s)
+        } else {
+            None
+        };
         let max_b = self.max_bias[li];
+        // the best k + 1 surviving candidates by score (the one after the picks settles ties)
         let mut n = 0;
         for (r, (&e, &p)) in cand.iter().zip(cp).enumerate() {
-            // candidates come best p first: none after this one can beat the k-th (a tie
-            // goes to the earlier candidate, as here)
-            if n == k && p + max_b <= self.scores[k - 1] {
+            let p = scale.map_or(p, |s| p / s);
+            // candidates come best p first: none after this one can beat the (k+1)-th
+            if n == k + 1 && p + max_b < self.scores[k] {
                 break;
             }
             if !keep.get(e as usize).copied().unwrap_or(false) {
                 continue;
             }
             let s = p + b[e as usize];
-            // (a NaN score never displaces a pick)
-            if n == k && s.partial_cmp(&self.scores[k - 1]) != Some(std::cmp::Ordering::Greater) {
+            if s.is_nan() {
+                return 0;
+            }
+            if n == k + 1 && s <= self.scores[k] {
                 continue;
             }
-            let mut j = if n < k {
+            let mut j = if n <= k {
                 n += 1;
                 n - 1
             } else {
-                k - 1
+                k
             };
             while j > 0 && s > self.scores[j - 1] {
                 self.scores[j] = self.scores[j - 1];
@@ -266,29 +296,43 @@ impl<'a> Router<'a> {
             self.ids[j] = e;
             self.ranks[j] = r as u16;
         }
-        if cand.len() >= self.shape.n_expert || n == 0 {
-            return n; // every expert listed: nothing unknown can outrank
+        let picks = n.min(k);
+        if picks == 0 {
+            return 0;
         }
-        let p_last = cp[cand.len() - 1];
-        // cheap first: the largest kept bias, listed or not
-        if self.scores[n - 1] > p_last + max_b {
-            return n;
-        }
-        // the largest bias of a kept expert the trace does not list
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.listed.fill(0);
-            self.stamp = 1;
-        }
-        for &e in cand {
-            if let Some(m) = self.listed.get_mut(e as usize) {
-                *m = self.stamp;
+        let runner_up = if n > k { self.scores[k] } else { f32::NEG_INFINITY };
+        // the unlisted kept experts' bounds, largest first (only the first k can matter)
+        self.bounds.clear();
+        if !all_listed {
+            let p_last = cp[cand.len() - 1];
+            if p_last + max_b >= self.scores[picks - 1] {
+                self.stamp = self.stamp.wrapping_add(1);
+                if self.stamp == 0 {
+                    self.listed.fill(0);
+                    self.stamp = 1;
+                }
+                for &e in cand {
+                    if let Some(m) = self.listed.get_mut(e as usize) {
+                        *m = self.stamp;
+                    }
+                }
+                let (listed, stamp) = (&self.listed, self.stamp);
+                self.bounds.extend(self.by_bias[li].iter().filter(|&&e| listed[e as usize] != stamp).take(k).map(|&e| p_last + b[e as usize]));
             }
         }
-        let unlisted = self.by_bias[li].iter().find(|&&e| self.listed[e as usize] != self.stamp);
-        let Some(&u) = unlisted else { return n };
-        let bound = p_last + b[u as usize];
-        self.scores[..n].iter().take_while(|&&s| s > bound).count()
+        // pick j is certain when fewer than k other kept experts can score as much
+        let s_last = self.scores[picks - 1];
+        if runner_up < s_last && self.bounds.first().is_none_or(|&u| u < s_last) {
+            return picks;
+        }
+        (0..picks)
+            .take_while(|&j| {
+                let s = self.scores[j];
+                let listed = (0..picks).filter(|&i| i != j && self.scores[i] >= s).count() + (runner_up >= s) as usize;
+                let unlisted = self.bounds.iter().take_while(|&&u| u >= s).count();
+                listed + unlisted < k
+            })
+            .count()
     }
 }
 

@@ -67,25 +67,38 @@ pub fn selection_bias(model: &Path, layers: &[u32], n_expert: usize) -> Result<O
     }
 }
 
-/// `<arch>.expert_group_count` (DeepSeek-V3's group-limited routing), when above 1.
-pub fn expert_groups(model: &Path) -> Result<Option<u32>> {
-    let g = open(model)?;
+/// A u32 key `<arch>.NAME` of the model, where present.
+fn arch_u32(g: &Gguf, name: &str) -> Option<u32> {
     // SAFETY: g is a live context; keys are looked up before their values are read, with the
     // types checked.
     unsafe {
         let arch_key = CString::new("general.architecture").unwrap();
         let id = sys::gguf_find_key(g.0, arch_key.as_ptr());
         if id < 0 || sys::gguf_get_kv_type(g.0, id) != sys::GGUF_TYPE_STRING {
-            return Ok(None);
+            return None;
         }
         let arch = std::ffi::CStr::from_ptr(sys::gguf_get_val_str(g.0, id)).to_string_lossy().into_owned();
-        let key = CString::new(format!("{arch}.expert_group_count")).unwrap();
+        let key = CString::new(format!("{arch}.{name}")).ok()?;
         let id = sys::gguf_find_key(g.0, key.as_ptr());
         if id < 0 || sys::gguf_get_kv_type(g.0, id) != sys::GGUF_TYPE_UINT32 {
-            return Ok(None);
+            return None;
         }
-        Ok(Some(sys::gguf_get_val_u32(g.0, id)).filter(|&n| n > 1))
+        Some(sys::gguf_get_val_u32(g.0, id))
     }
+}
+
+/// `(<arch>.expert_group_count, <arch>.expert_group_used_count)` where groups mask experts
+/// (DeepSeek-V3's group-limited routing: more than one group, fewer of them used).
+pub fn expert_groups(model: &Path) -> Result<Option<(u32, u32)>> {
+    let g = open(model)?;
+    let groups = arch_u32(&g, "expert_group_count").unwrap_or(0);
+    let used = arch_u32(&g, "expert_group_used_count").unwrap_or(groups);
+    Ok(Some((groups, used)).filter(|&(n, u)| n > 1 && u < n))
+}
+
+/// `<arch>.expert_gating_func` (llama_expert_gating_func_type), where present.
+pub fn gating_func(model: &Path) -> Result<Option<u32>> {
+    Ok(arch_u32(&open(model)?, "expert_gating_func"))
 }
 
 /// `(bytes per expert, tensor names)` for each block in `layers`.

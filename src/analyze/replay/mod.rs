@@ -104,7 +104,8 @@ pub struct ReplayArgs {
     /// bias, which --keep-map re-routes by (GLM-4.5, DeepSeek-V3: exp_probs_b)
     #[arg(long, value_name = "GGUF")]
     pub model: Option<PathBuf>,
-    /// Re-route every token to its first k candidates that the keep map keeps
+    /// Re-route every token as the pruned model would: its first k candidates that the keep map
+    /// keeps (with --model and a selection bias: the k kept with the largest p + bias)
     #[arg(long = "keep-map", value_name = "FILE")]
     pub keep_map: Option<PathBuf>,
     /// The saliency JSON of the trace's run: confirms whether the keep map was fitted on it
@@ -193,7 +194,7 @@ pub fn simulate(
     trace: &TraceReader,
     rows: impl Into<Rows>,
     keep: Option<&[bool]>,
-    bias: Option<&[f32]>,
+    bias: Option<(&[f32], bool)>,
     policies: &[Policy],
     caps: &[Vec<usize>],
     decay: f64,
@@ -201,7 +202,7 @@ pub fn simulate(
     near_pick_weight: f64,
 ) -> Result<(Vec<Outcome>, Forced)> {
     let rows: Rows = rows.into();
-    let keep = keep.map(|flags| Keep { flags, bias });
+    let keep = keep.map(|flags| Keep { flags, bias: bias.map(|b| b.0), renormalise: bias.is_some_and(|b| b.1) });
     let h = &trace.header;
     let shape = Shape { n_layers: h.n_layers(), n_expert: h.n_expert as usize, k: h.k as usize };
     let mut fams: Vec<Box<dyn Family>> = Vec::new();
@@ -374,28 +375,41 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     if let Some((_, note)) = &validity {
         eprintln!("note: {note}");
     }
-    let bias = match (&km, &args.model) {
-        (Some(_), Some(model)) => gguf::selection_bias(model, &h.layers, ne).map_err(|e| usage(format!("--model: {e:#}")))?,
+    // the selection bias (and whether the router is a softmax) that re-routing follows
+    let reroute = match (&km, &args.model) {
+        (Some(_), Some(model)) => reroute_by(model, &trace, args.reap.as_deref())?,
         _ => None,
     };
-    let rerouting = if bias.is_some() { "probability + selection bias" } else { "probability" };
+    let rerouting = match &reroute {
+        None => "probability",
+        Some((_, false)) => "probability + selection bias",
+        Some((_, true)) => "renormalised probability + selection bias",
+    };
     if let Some((p, _)) = &km {
-        if let Some(groups) = args.model.as_deref().map(gguf::expert_groups).transpose().map_err(|e| usage(format!("--model: {e:#}")))?.flatten() {
+        if let Some((groups, used)) = args.model.as_deref().map(gguf::expert_groups).transpose().map_err(|e| usage(format!("--model: {e:#}")))?.flatten() {
             let w = format!(
-                "the model routes within {groups} expert groups (expert_group_count); re-routing for --keep-map {} does not model the choice of groups",
+                "the model routes within {used} of {groups} expert groups (expert_group_count); re-routing for --keep-map {} does not model the choice of groups",
                 p.display()
             );
             eprintln!("warning: {w}");
             warnings.push(w);
         }
-        if bias.is_none() {
-            let off = picks_off_candidates(&trace, &visit);
+        if reroute.is_none() {
+            let (off, scanned) = picks_off_candidates(&trace, &visit);
             if off > 0 {
-                let w = format!(
-                    "{off} token-layers pick experts other than their first k candidates: the router adds a selection bias, which \
-                     re-routing for --keep-map {} ignores without the model (give --model GGUF to re-route by probability + bias)",
-                    p.display()
-                );
+                let w = match &args.model {
+                    None => format!(
+                        "{off} token-layers of {scanned} rows pick experts below their first k candidates: the router adds a selection \
+                         bias, which re-routing for --keep-map {} ignores without the model (give --model GGUF to re-route by \
+                         probability + bias)",
+                        p.display()
+                    ),
+                    Some(m) => format!(
+                        "{off} token-layers of {scanned} rows pick experts below their first k candidates, but --model {} has no \
+                         selection bias (exp_probs_b): is the trace of this model?",
+                        m.display()
+                    ),
+                };
                 eprintln!("warning: {w}");
                 warnings.push(w);
             }
@@ -422,7 +436,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         &trace,
         visit,
         keep_flags.as_deref(),
-        bias.as_deref(),
+        reroute.as_ref().map(|(b, r)| (b.as_slice(), *r)),
         &run_policies,
         &cap_layers,
         args.ema_decay,
@@ -479,20 +493,80 @@ fn thread_cpu_seconds() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
-/// Token-layers of `rows` whose picks are not (as a set) their first k candidates: the mark of
-/// a selection bias (or a damaged trace), which re-routing by probability order cannot follow.
-fn picks_off_candidates(trace: &TraceReader, rows: &Rows) -> u64 {
+/// Token-layers with a pick below the trace's first k candidates (ranked lower, or not listed):
+/// the mark of a selection bias (or of another trace's model), which re-routing by probability
+/// order cannot follow. A pick tied with the k-th candidate is not counted (an exact tie may
+/// fall either way). The bias is the model's, so where the replayed rows show none the trace's
+/// first rows are looked at too. Returns the count and the rows scanned.
+fn picks_off_candidates(trace: &TraceReader, rows: &Rows) -> (u64, u64) {
     let nl = trace.header.n_layers();
-    let mut off = 0;
-    for i in 0..rows.len() {
-        let row = trace.row(rows.get(i));
-        for li in 0..nl {
-            let (sel, cand) = (row.sel_ids(li), row.cand_ids(li));
-            let first = &cand[..sel.len().min(cand.len())];
-            off += sel.iter().any(|e| !first.contains(e)) as u64;
-        }
+    let off_in = |row: u64| {
+        let row = trace.row(row);
+        (0..nl)
+            .filter(|&li| {
+                let (sel, cand, cp) = (row.sel_ids(li), row.cand_ids(li), row.cand_probs(li));
+                let k = sel.len().min(cand.len());
+                if k == 0 {
+                    return false;
+                }
+                let p_k = cp[k - 1];
+                sel.iter().any(|e| match cand.iter().position(|c| c == e) {
+                    Some(r) => r >= k && cp[r] < p_k,
+                    None => true,
+                })
+            })
+            .count() as u64
+    };
+    let off: u64 = (0..rows.len()).map(|i| off_in(rows.get(i))).sum();
+    if off > 0 {
+        return (off, rows.len() as u64);
     }
-    off
+    let first = trace.n_rows.min(4096);
+    ((0..first).map(off_in).sum(), rows.len() as u64 + first)
+}
+
+/// `replay --keep-map --model`: the model's selection bias per trace layer and whether its
+/// router is a softmax (so that pruning renormalises p, which moves the choice once a bias is
+/// added), or None when it has no bias. The model must be the trace's (its MoE blocks hold
+/// the trace's expert count). A softmax's renormalisation needs every expert's p: a trace of
+/// fewer candidates is refused.
+fn reroute_by(model: &Path, trace: &TraceReader, reap: Option<&Path>) -> Result<Option<(Vec<f32>, bool)>> {
+    let h = &trace.header;
+    let ne = h.n_expert as usize;
+    let bad = |e: anyhow::Error| usage(format!("--model: {e:#}"));
+    gguf::expert_bytes(model, &h.layers, ne).map_err(bad)?;
+    let Some(bias) = gguf::selection_bias(model, &h.layers, ne).map_err(bad)? else { return Ok(None) };
+    // llama_expert_gating_func_type: 1 softmax; 2 sigmoid, 3 softmax of the picks' weights
+    // (selection by the logits), 4 sqrt-softplus, all elementwise; 0 or absent: the arch's own
+    let softmax = match gguf::gating_func(model).map_err(bad)? {
+        Some(1) => true,
+        Some(2..=4) => false,
+        _ => match reap {
+            Some(r) => {
+                let sal = Saliency::read(r).map_err(|e| usage(format!("--reap {}: {e:#}", r.display())))?;
+                match sal.routing().probs_op {
+                    Some(op) => op == "SOFT_MAX",
+                    None => return Err(usage(format!("--reap {}: records no metadata.routing.probs_op (an older file); cannot tell whether {}'s router is a softmax", r.display(), model.display()))),
+                }
+            }
+            None => {
+                return Err(usage(format!(
+                    "--model {}: has a selection bias (exp_probs_b) but no expert_gating_func key: cannot tell whether its router \
+                     is a softmax, which pruning renormalises; give --reap with the saliency JSON of the trace's run (it records the router's op)",
+                    model.display()
+                )))
+            }
+        },
+    };
+    if softmax && (h.top_n as usize) < ne {
+        return Err(usage(format!(
+            "--model {}: a softmax router with a selection bias: the pruned model's probabilities are renormalised over the kept \
+             experts, which needs every expert's p, and the trace lists the top {} of {ne}; trace again with --trace-top-n {ne}",
+            model.display(),
+            h.top_n
+        )));
+    }
+    Ok(Some((bias, softmax)))
 }
 
 /// Ids must stay below engine::NONE.
@@ -701,7 +775,7 @@ fn report(
             m.k,
             h.k,
             h.top_n,
-            if rerouting == "probability" { "" } else { " sure to beat every unlisted expert" }
+            if rerouting == "probability" { "" } else { " named for certain" }
         );
     }
     let totals = |o: &Outcome| {

@@ -327,68 +327,118 @@ fn ranks_are_none_for_picks_outside_the_candidates() {
     assert_eq!((x.picks, x.ranks), (&[3u16][..], &[NONE][..]));
 }
 
-/// Re-routing under a selection bias, against the full truth: random sigmoid-like
-/// probabilities and biases for every expert; the pruned model's picks are the top k of p + b
-/// over the kept experts. A trace listing every expert must re-route to exactly those; one
-/// listing only the top-N by p must give a prefix of them (never a wrong pick), with the rest
-/// forced, and must find the whole top-k whenever a brute-force bound says it is decidable.
+/// Re-routing under a selection bias, against brute force. Random probabilities and biases
+/// for every expert, with exact ties planted (two kept experts of one bias and equal p in a
+/// quarter of the tokens). A named pick must be in the pruned model's top k of p' + b however
+/// ties fall (fewer than k other kept experts score as much); from a trace listing every
+/// expert every such expert is named; from a top-N trace exactly those a brute force over
+/// what the trace shows can be sure of (an unlisted expert scores at most the last
+/// candidate's p plus its bias). Elementwise gates (p' = p) at top-16, 8 and 5 of 16; a softmax
+/// (p' renormalised over the kept experts, from the logits in f64) at top-16.
 #[test]
-fn biased_rerouting_matches_the_top_k_of_probability_plus_bias() {
+fn biased_rerouting_names_exactly_the_certain_picks() {
     use crate::fixture::rng::Rng;
     let (ne, k) = (16usize, 3usize);
     let mut rng = Rng::stream(7, "biased-reroute");
     let keep: Vec<bool> = (0..ne).map(|e| e % 3 != 1).collect();
-    let bias: Vec<f32> = (0..ne).map(|_| (rng.normal() * 0.15) as f32).collect();
-    let (mut decided_partly, mut short) = (0, 0);
-    for top_n in [ne, 8, 5] {
-        let mut toks = Vec::new();
-        let mut truth = Vec::new();
-        let mut full = Vec::new();
-        for _ in 0..400 {
-            let p: Vec<f32> = (0..ne).map(|_| rng.uniform() as f32).collect();
+    let mut bias: Vec<f32> = (0..ne).map(|_| (rng.normal() * 0.15) as f32).collect();
+    bias[5] = bias[2]; // both kept: ties where their p are equal
+    let (mut partly, mut tied_out) = (0, 0);
+    for (top_n, softmax) in [(ne, false), (8, false), (5, false), (ne, true)] {
+        let (mut toks, mut truth) = (Vec::new(), Vec::new());
+        for t in 0..400 {
+            let logits: Vec<f64> = (0..ne).map(|_| rng.normal() * 2.0).collect();
+            let mut p: Vec<f32> = if softmax {
+                let z: f64 = logits.iter().map(|l| l.exp()).sum();
+                logits.iter().map(|l| (l.exp() / z) as f32).collect()
+            } else {
+                (0..ne).map(|_| rng.uniform() as f32).collect()
+            };
+            if !softmax && t % 4 == 0 {
+                p[5] = p[2];
+            }
+            // the pruned model's scores, with full knowledge
+            let z_kept: f64 = (0..ne).filter(|&e| keep[e]).map(|e| logits[e].exp()).sum();
+            let score: Vec<f64> = (0..ne)
+                .map(|e| if softmax { logits[e].exp() / z_kept + bias[e] as f64 } else { (p[e] + bias[e]) as f64 })
+                .collect();
+            let certain: Vec<u16> = (0..ne as u16)
+                .filter(|&e| keep[e as usize])
+                .filter(|&e| (0..ne).filter(|&f| f != e as usize && keep[f] && score[f] >= score[e as usize]).count() < k)
+                .collect();
             let mut by_p: Vec<u16> = (0..ne as u16).collect();
             by_p.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
-            let mut by_s: Vec<u16> = (0..ne as u16).filter(|&e| keep[e as usize]).collect();
-            let s = |e: u16| p[e as usize] + bias[e as usize];
-            by_s.sort_by(|&a, &b| s(b).total_cmp(&s(a)));
-            truth.push(by_s[..k].to_vec());
-            full.push((p.clone(), by_p.clone()));
             let cand = by_p[..top_n].to_vec();
             let prob = cand.iter().map(|&e| p[e as usize]).collect();
-            // the model's own picks (unpruned) do not matter to a keep-map replay
+            truth.push((certain, score, p.clone(), by_p.clone()));
             toks.push(Tok { sel: vec![by_p[..k].to_vec()], cand: vec![cand], prob: vec![prob] });
         }
-        let path = write_trace(&format!("biased-{top_n}"), ne as u32, k as u32, top_n as u32, &toks);
+        let path = write_trace(&format!("biased-{top_n}-{softmax}"), ne as u32, k as u32, top_n as u32, &toks);
         let tr = TraceReader::open(&path).unwrap();
         let shape = Shape { n_layers: 1, n_expert: ne, k };
-        let mut r = engine::Router::new(shape, Some(Keep { flags: &keep, bias: Some(&bias) }), true);
-        for t in 0..toks.len() {
+        let mut r = engine::Router::new(shape, Some(Keep { flags: &keep, bias: Some(&bias), renormalise: softmax }), true);
+        for (t, (certain, score, p, by_p)) in truth.iter().enumerate() {
             let row = tr.row(t as u64);
             let x = r.route(&row, 0);
             let n = x.picks.len();
             assert_eq!(x.forced, k - n);
-            assert_eq!(x.picks, &truth[t][..n], "top-{top_n} token {t}: a wrong pick");
             for (&e, &rk) in x.picks.iter().zip(x.ranks) {
+                assert!(certain.contains(&e), "top-{top_n} softmax {softmax} token {t}: {e} named, not certain ({certain:?})");
                 assert_eq!(toks[t].cand[0][rk as usize], e, "rank of pick {e}");
             }
             if top_n == ne {
-                assert_eq!(n, k, "every expert listed: all decidable");
+                if softmax {
+                    // f32 p / S against f64: leave out near-ties at the boundary
+                    let mut sc: Vec<f64> = (0..ne).filter(|&e| keep[e]).map(|e| score[e]).collect();
+                    sc.sort_by(|a, b| b.total_cmp(a));
+                    if sc[k - 1] - sc[k] < 1e-5 {
+                        continue;
+                    }
+                }
+                assert_eq!(n, certain.len(), "top-{top_n} softmax {softmax} token {t}: {:?} named, {certain:?} certain", x.picks);
+                tied_out += (n < k) as u32;
                 continue;
             }
-            // brute force: pick j is decidable iff its score beats every unlisted kept
-            // expert's best case (p equal to the last candidate's)
-            let (p, by_p) = &full[t];
+            // brute force over what the trace shows
             let p_last = p[by_p[top_n - 1] as usize];
-            let bound = by_p[top_n..].iter().filter(|&&e| keep[e as usize]).map(|&e| p_last + bias[e as usize]).fold(f32::NEG_INFINITY, f32::max);
-            let listed_kept: Vec<u16> = by_p[..top_n].iter().copied().filter(|&e| keep[e as usize]).collect();
-            let mut listed_by_s = listed_kept.clone();
-            listed_by_s.sort_by(|&a, &b| (p[b as usize] + bias[b as usize]).total_cmp(&(p[a as usize] + bias[a as usize])));
-            let want = listed_by_s.iter().take(k).take_while(|&&e| p[e as usize] + bias[e as usize] > bound).count();
-            assert_eq!(n, want, "top-{top_n} token {t}: decidable picks");
-            decided_partly += (0 < n && n < k) as u32;
-            short += (n < k) as u32;
+            let listed: Vec<u16> = by_p[..top_n].iter().copied().filter(|&e| keep[e as usize]).collect();
+            let s = |e: u16| p[e as usize] + bias[e as usize];
+            let sure = listed
+                .iter()
+                .filter(|&&e| {
+                    let others = listed.iter().filter(|&&f| f != e && s(f) >= s(e)).count();
+                    let unlisted = by_p[top_n..].iter().filter(|&&u| keep[u as usize] && p_last + bias[u as usize] >= s(e)).count();
+                    others + unlisted < k
+                })
+                .count();
+            assert_eq!(n, sure, "top-{top_n} token {t}: named picks");
+            partly += (0 < n && n < k) as u32;
         }
     }
-    // the cases the bound exists for did occur
-    assert!(decided_partly > 0 && short > 0, "{decided_partly} {short}");
+    // the cases the rules are for did occur: partly decidable tokens, and exact ties at the
+    // boundary with every expert listed
+    assert!(partly > 0 && tied_out > 0, "{partly} {tied_out}");
+}
+
+/// The no-`--model` warning's count: a pick below the first k candidates counts, one tied with
+/// the k-th candidate does not (an exact tie falls either way), one not listed at all counts.
+/// Rows outside the replayed ones are looked at when those show nothing.
+#[test]
+fn picks_below_the_first_candidates_are_counted_but_ties_are_not() {
+    let tok = |sel: Vec<u16>, cand: Vec<u16>, prob: Vec<f32>| Tok { sel: vec![sel], cand: vec![cand], prob: vec![prob] };
+    let toks = vec![
+        tok(vec![0, 1], vec![0, 1, 2], vec![0.5, 0.3, 0.2]), // the first two
+        tok(vec![0, 2], vec![0, 1, 2], vec![0.5, 0.3, 0.3]), // 2 ties with the 2nd candidate
+        tok(vec![0, 2], vec![0, 1, 2], vec![0.5, 0.3, 0.2]), // 2 is below: a bias
+        tok(vec![0, 3], vec![0, 1, 2], vec![0.5, 0.3, 0.2]), // 3 is not listed
+    ];
+    let p = write_trace("off-candidates", 4, 2, 3, &toks);
+    let tr = TraceReader::open(&p).unwrap();
+    assert_eq!(picks_off_candidates(&tr, &Rows::Range(1..4)), (2, 3));
+    // none in rows 0..2, so the trace's first rows are read too: 2 there
+    assert_eq!(picks_off_candidates(&tr, &Rows::Range(0..2)), (2, 2 + 4));
+    // a trace of the first two rows only: the tie is no sign of a bias
+    let p = write_trace("off-candidates-tie", 4, 2, 3, &toks[..2]);
+    let tr = TraceReader::open(&p).unwrap();
+    assert_eq!(picks_off_candidates(&tr, &Rows::Range(0..2)), (0, 2 + 2));
 }
