@@ -254,7 +254,7 @@ impl<'a> Router<'a> {
         }
         let scale = if self.renormalise {
             let s: f32 = cand.iter().zip(cp).filter(|(&e, _)| keep.get(e as usize).copied().unwrap_or(false)).map(|(_, &p)| p).sum();
-            if !(s > 0.0) {
+            if s.is_nan() || s <= 0.0 {
                 return 0;
             }
             Some(s)
