@@ -882,6 +882,27 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
     let o = replay(&full, &["--tokens".as_ref(), "500..502".as_ref()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("selection bias"), "{}", String::from_utf8_lossy(&o.stderr));
     if !softmax {
+        // selection by the raw logits + bias (gating 3): the trace holds no logits; refused
+        let g3 = d.join("gating3.gguf");
+        let mut v = 4u32.to_le_bytes().to_vec();
+        v.extend_from_slice(&3u32.to_le_bytes());
+        with_kv(&model, &g3, |a| format!("{a}.expert_gating_func"), &v);
+        let o = replay(&full, &["--model".as_ref(), g3.as_os_str()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("raw logits"), "{err}");
+        // a NaN bias is refused, naming the tensor and expert
+        let nan = d.join("nan-bias.gguf");
+        let mut b = read(&model);
+        let h = Header::parse(&b).unwrap();
+        let t = h.tensors.iter().find(|t| t.name == "blk.2.exp_probs_b.bias").unwrap();
+        let at = (h.data_start + t.offset) as usize + 4 * 5;
+        b[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+        std::fs::write(&nan, &b).unwrap();
+        let o = replay(&full, &["--model".as_ref(), nan.as_os_str()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("blk.2.exp_probs_b.bias holds NaN for expert 5"), "{err}");
         // a model of another expert count is not the trace's
         let other = fixture_with("qwen3moe-e16", &["--experts", "16"]);
         let o = replay(&full, &["--model".as_ref(), other.as_os_str()]);

@@ -58,7 +58,11 @@ pub fn selection_bias(model: &Path, layers: &[u32], n_expert: usize) -> Result<O
         }
         let mut bytes = vec![0u8; n_expert * 4];
         file.read_exact_at(&mut bytes, off as u64).with_context(|| format!("{}: reading {name} (truncated file?)", model.display()))?;
+        let at = out.len();
         out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+        if let Some(e) = out[at..].iter().position(|b| !b.is_finite()) {
+            bail!("{}: {name} holds {} for expert {e} (a damaged model?)", model.display(), out[at + e]);
+        }
     }
     match missing {
         None => Ok(Some(out)),

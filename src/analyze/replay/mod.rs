@@ -105,7 +105,9 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "GGUF")]
     pub model: Option<PathBuf>,
     /// Re-route every token as the pruned model would: its first k candidates that the keep map
-    /// keeps (with --model and a selection bias: the k kept with the largest p + bias)
+    /// keeps; with --model and a selection bias, the kept picks certain by p' + bias (p' = p,
+    /// or renormalised over the kept experts for a softmax router, which needs a trace of
+    /// every expert), the other slots forced misses (docs/replay.md)
     #[arg(long = "keep-map", value_name = "FILE")]
     pub keep_map: Option<PathBuf>,
     /// The saliency JSON of the trace's run: confirms whether the keep map was fitted on it
@@ -399,13 +401,13 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
             if off > 0 {
                 let w = match &args.model {
                     None => format!(
-                        "{off} token-layers of {scanned} rows pick experts below their first k candidates: the router adds a selection \
+                        "{off} token-layers of {scanned} pick experts below their first k candidates: the router adds a selection \
                          bias, which re-routing for --keep-map {} ignores without the model (give --model GGUF to re-route by \
                          probability + bias)",
                         p.display()
                     ),
                     Some(m) => format!(
-                        "{off} token-layers of {scanned} rows pick experts below their first k candidates, but --model {} has no \
+                        "{off} token-layers of {scanned} pick experts below their first k candidates, but --model {} has no \
                          selection bias (exp_probs_b): is the trace of this model?",
                         m.display()
                     ),
@@ -497,8 +499,8 @@ fn thread_cpu_seconds() -> f64 {
 /// the mark of a selection bias (or of another trace's model), which re-routing by probability
 /// order cannot follow. A pick tied with the k-th candidate is not counted (an exact tie may
 /// fall either way). The bias is the model's, so where the replayed rows show none the trace's
-/// first rows are looked at too. Returns the count and the rows scanned.
-fn picks_off_candidates(trace: &TraceReader, rows: &Rows) -> (u64, u64) {
+/// first rows are looked at too. Returns the count and the rows it is of, in words.
+fn picks_off_candidates(trace: &TraceReader, rows: &Rows) -> (u64, String) {
     let nl = trace.header.n_layers();
     let off_in = |row: u64| {
         let row = trace.row(row);
@@ -519,10 +521,10 @@ fn picks_off_candidates(trace: &TraceReader, rows: &Rows) -> (u64, u64) {
     };
     let off: u64 = (0..rows.len()).map(|i| off_in(rows.get(i))).sum();
     if off > 0 {
-        return (off, rows.len() as u64);
+        return (off, format!("{} replayed rows", rows.len()));
     }
     let first = trace.n_rows.min(4096);
-    ((0..first).map(off_in).sum(), rows.len() as u64 + first)
+    ((0..first).map(off_in).sum(), format!("the trace's first {first} rows (none among the replayed rows)"))
 }
 
 /// `replay --keep-map --model`: the model's selection bias per trace layer and whether its
@@ -536,20 +538,37 @@ fn reroute_by(model: &Path, trace: &TraceReader, reap: Option<&Path>) -> Result<
     let bad = |e: anyhow::Error| usage(format!("--model: {e:#}"));
     gguf::expert_bytes(model, &h.layers, ne).map_err(bad)?;
     let Some(bias) = gguf::selection_bias(model, &h.layers, ne).map_err(bad)? else { return Ok(None) };
-    // llama_expert_gating_func_type: 1 softmax; 2 sigmoid, 3 softmax of the picks' weights
-    // (selection by the logits), 4 sqrt-softplus, all elementwise; 0 or absent: the arch's own
-    let softmax = match gguf::gating_func(model).map_err(bad)? {
-        Some(1) => true,
-        Some(2..=4) => false,
-        _ => match reap {
-            Some(r) => {
-                let sal = Saliency::read(r).map_err(|e| usage(format!("--reap {}: {e:#}", r.display())))?;
-                match sal.routing().probs_op {
-                    Some(op) => op == "SOFT_MAX",
-                    None => return Err(usage(format!("--reap {}: records no metadata.routing.probs_op (an older file); cannot tell whether {}'s router is a softmax", r.display(), model.display()))),
+    // The router's kind: as the trace's run saw it in the graph (--reap's metadata.routing),
+    // else the model's expert_gating_func (llama_expert_gating_func_type: 1 softmax; 2
+    // sigmoid and 4 sqrt-softplus, elementwise; 3 selection by the raw logits, whose softmax
+    // the trace holds; 0 or absent: the arch's own, which some graphs hard-code).
+    enum Kind {
+        Softmax,
+        Elementwise,
+        Logits,
+    }
+    let kind = match reap {
+        Some(r) => {
+            let sal = Saliency::read(r).map_err(|e| usage(format!("--reap {}: {e:#}", r.display())))?;
+            let routing = sal.routing();
+            match (routing.probs_from_logits, routing.probs_op.as_deref()) {
+                (Some(true), _) => Kind::Logits,
+                (_, Some("SOFT_MAX")) => Kind::Softmax,
+                (_, Some(_)) => Kind::Elementwise,
+                (_, None) => {
+                    return Err(usage(format!(
+                        "--reap {}: records no metadata.routing.probs_op (an older file); cannot tell whether {}'s router is a softmax",
+                        r.display(),
+                        model.display()
+                    )))
                 }
             }
-            None => {
+        }
+        None => match gguf::gating_func(model).map_err(bad)? {
+            Some(1) => Kind::Softmax,
+            Some(2 | 4) => Kind::Elementwise,
+            Some(3) => Kind::Logits,
+            _ => {
                 return Err(usage(format!(
                     "--model {}: has a selection bias (exp_probs_b) but no expert_gating_func key: cannot tell whether its router \
                      is a softmax, which pruning renormalises; give --reap with the saliency JSON of the trace's run (it records the router's op)",
@@ -557,6 +576,17 @@ fn reroute_by(model: &Path, trace: &TraceReader, reap: Option<&Path>) -> Result<
                 )))
             }
         },
+    };
+    let softmax = match kind {
+        Kind::Softmax => true,
+        Kind::Elementwise => false,
+        Kind::Logits => {
+            return Err(usage(format!(
+                "--model {}: selects by the router's raw logits plus a selection bias (expert_gating_func 3); the trace holds their \
+                 softmax, not the logits, so replay cannot re-route it",
+                model.display()
+            )))
+        }
     };
     if softmax && (h.top_n as usize) < ne {
         return Err(usage(format!(
