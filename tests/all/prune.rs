@@ -705,6 +705,16 @@ fn a_nextn_block_is_dropped_on_request_or_pruned_by_a_hand_made_entry() {
     assert!(err.contains("has no nextn/MTP block") && !d.join("q.gguf").exists(), "{err}");
 }
 
+/// The glm4moe fixture routing within 4 expert groups of 8, 2 used per token (written in `d`).
+fn grouped_glm4moe(d: &Path) -> PathBuf {
+    let u32_kv = |v: u32| [4u32.to_le_bytes(), v.to_le_bytes()].concat();
+    let half = d.join("half.gguf");
+    with_added_kv(&fixture("glm4moe"), &half, |a| format!("{a}.expert_group_count"), &u32_kv(4));
+    let model = d.join("grouped.gguf");
+    with_added_kv(&half, &model, |a| format!("{a}.expert_group_used_count"), &u32_kv(2));
+    model
+}
+
 /// A model that routes within expert groups (DeepSeek-V3's n_group; here the glm4moe fixture
 /// with 4 groups of 8, 2 used per token): select keeps K/4 in every group, by the method's
 /// order within the group, and refuses a K that cannot be split so; prune refuses a map whose
@@ -713,11 +723,7 @@ fn a_nextn_block_is_dropped_on_request_or_pruned_by_a_hand_made_entry() {
 #[test]
 fn group_routed_models_keep_the_same_number_in_every_group() {
     let d = temp_dir("prune-groups");
-    let u32_kv = |v: u32| [4u32.to_le_bytes(), v.to_le_bytes()].concat();
-    let half = d.join("half.gguf");
-    with_added_kv(&fixture("glm4moe"), &half, |a| format!("{a}.expert_group_count"), &u32_kv(4));
-    let model = d.join("grouped.gguf");
-    with_added_kv(&half, &model, |a| format!("{a}.expert_group_used_count"), &u32_kv(2));
+    let model = grouped_glm4moe(&d);
     calibrate(&d, &model);
     let sal = Saliency::read(&d.join("imatrix.reap.json")).unwrap();
     assert_eq!(sal.metadata["model"]["expert_group_count"], "4");
@@ -764,6 +770,40 @@ fn group_routed_models_keep_the_same_number_in_every_group() {
     assert!(err.contains("keeps [8, 8, 0, 0] experts of its 4 expert groups") && !d.join("u.gguf").exists(), "{err}");
 }
 
+/// Calibrates `m` on the bundled corpus in `dir` with a trace of the top `top_n` candidates.
+fn trace_of(dir: &Path, m: &Path, top_n: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    run_ok(Command::new(ours()).current_dir(dir).arg("-m").arg(m).arg("-f").arg(corpus()).args([
+        "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "--no-ppl", "-o", "imatrix.gguf", "--trace-out", "t.bin",
+        "--trace-top-n", top_n,
+    ]));
+    dir.join("t.bin")
+}
+
+/// A pruned model's picks in its first MoE layer, per row, as original ids (`kept`: that
+/// layer's keep list), sorted.
+fn first_layer_picks(trace: &Path, kept: &[u16]) -> Vec<Vec<u16>> {
+    trace_rows(trace)
+        .iter()
+        .map(|r| {
+            let mut v: Vec<u16> = r.3[0].iter().map(|&j| kept[j as usize]).collect();
+            v.sort_unstable();
+            v
+        })
+        .collect()
+}
+
+/// Keep lists as `layers × ne` flags.
+fn keep_flags(keep: &[Vec<u16>], ne: usize) -> Vec<bool> {
+    let mut flags = vec![false; keep.len() * ne];
+    for (li, k) in keep.iter().enumerate() {
+        for &e in k {
+            flags[li * ne + e as usize] = true;
+        }
+    }
+    flags
+}
+
 /// replay's --keep-map re-routing against the pruned model itself, on glm4moe (a router whose
 /// choice adds the selection bias exp_probs_b): sigmoid, and with `--softmax-router` a softmax
 /// (which pruning renormalises over the kept experts). In the first MoE layer (block 1: block
@@ -783,14 +823,6 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
     use reap_imatrix::analyze::replay::gguf::selection_bias;
     let d = temp_dir(&format!("prune-reroute-{key}"));
     let model = fixture_with(key, fixture_args);
-    let trace_of = |dir: &Path, m: &Path, top_n: &str| {
-        std::fs::create_dir_all(dir).unwrap();
-        run_ok(Command::new(ours()).current_dir(dir).arg("-m").arg(m).arg("-f").arg(corpus()).args([
-            "-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "--no-ppl", "-o", "imatrix.gguf", "--trace-out", "t.bin",
-            "--trace-top-n", top_n,
-        ]));
-        dir.join("t.bin")
-    };
     let full = trace_of(&d.join("orig"), &model, "32");
     let top10 = trace_of(&d.join("orig10"), &model, "10");
     let sal = Saliency::read(&d.join("orig/imatrix.reap.json")).unwrap();
@@ -803,22 +835,9 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
     let map = write_map(&d.join("k12.json"), json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": 12, "layers": layers}));
     let pruned = d.join("p.gguf");
     prune_ok(&model, &map, &pruned, &["--drop-nextn"]);
-    let truth: Vec<Vec<u16>> = trace_rows(&trace_of(&d.join("pruned"), &pruned, "12"))
-        .iter()
-        .map(|r| {
-            let mut v: Vec<u16> = r.3[0].iter().map(|&j| keep[0][j as usize]).collect();
-            v.sort_unstable();
-            v
-        })
-        .collect();
-
+    let truth = first_layer_picks(&trace_of(&d.join("pruned"), &pruned, "12"), &keep[0]);
     let ne = 32usize;
-    let mut flags = vec![false; blocks.len() * ne];
-    for (li, k) in keep.iter().enumerate() {
-        for &e in k {
-            flags[li * ne + e as usize] = true;
-        }
-    }
+    let flags = keep_flags(&keep, ne);
     let bias = selection_bias(&model, &blocks, ne).unwrap().expect("glm4moe has exp_probs_b");
     for (trace, name) in [(&full, "top-32"), (&top10, "top-10")] {
         if softmax && name == "top-10" {
@@ -827,10 +846,10 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
         let tr = TraceReader::open(trace).unwrap();
         assert_eq!(tr.n_rows as usize, truth.len());
         let shape = Shape { n_layers: 3, n_expert: ne, k: tr.header.k as usize };
-        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: softmax }), false);
-        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None, renormalise: false }), false);
+        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: softmax, groups: None }), false);
+        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None, renormalise: false, groups: None }), false);
         // a softmax's p + b without the renormalisation
-        let mut unnormalised = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false }), false);
+        let mut unnormalised = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None }), false);
         let (mut wrong_plain, mut wrong_unnormalised, mut undecided) = (0, 0, 0);
         for (t, want) in truth.iter().enumerate() {
             let row = tr.row(t as u64);
@@ -918,4 +937,71 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
         assert!(err.contains("softmax") && err.contains("--trace-top-n 32"), "{err}");
         assert!(!out_json.exists(), "nothing written on a refusal");
     }
+}
+
+/// replay's --keep-map re-routing of a group-routed model (DeepSeek-V3's expert groups: the
+/// glm4moe fixture with 4 groups of 8, 2 used) against the pruned model's own picks in the
+/// first MoE layer: from a trace of every expert, with --model, every token agrees; ignoring
+/// the groups (as replay did) many do not. A trace of fewer candidates gets a warning instead.
+#[test]
+fn keep_map_rerouting_follows_a_group_routed_pruned_model() {
+    use reap_imatrix::analyze::replay::engine::{Keep, Router, Shape};
+    use reap_imatrix::analyze::replay::gguf::selection_bias;
+    let d = temp_dir("prune-reroute-groups");
+    let model = grouped_glm4moe(&d);
+    let full = trace_of(&d.join("orig"), &model, "32");
+    let sal = Saliency::read(&d.join("orig/imatrix.reap.json")).unwrap();
+    let blocks: Vec<u32> = sal.layers.iter().map(|l| l.layer).collect();
+    // per layer and group the 4 most used of its 8
+    let keep: Vec<Vec<u16>> = sal
+        .layers
+        .iter()
+        .map(|l| {
+            let mut kept = Vec::new();
+            for g in 0..4u16 {
+                let mut ids: Vec<u16> = (g * 8..g * 8 + 8).collect();
+                ids.sort_by_key(|&e| std::cmp::Reverse(l.count[e as usize]));
+                kept.extend_from_slice(&ids[..4]);
+            }
+            kept.sort_unstable();
+            kept
+        })
+        .collect();
+    let layers: Vec<Value> = keep.iter().zip(&blocks).map(|(k, b)| json!({"layer": b, "keep": k})).collect();
+    let map = write_map(&d.join("k16.json"), json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": 16, "layers": layers}));
+    let pruned = d.join("p.gguf");
+    prune_ok(&model, &map, &pruned, &["--drop-nextn"]);
+    let truth = first_layer_picks(&trace_of(&d.join("pruned"), &pruned, "16"), &keep[0]);
+    let ne = 32usize;
+    let flags = keep_flags(&keep, ne);
+    let bias = selection_bias(&model, &blocks, ne).unwrap().unwrap();
+    let tr = TraceReader::open(&full).unwrap();
+    let shape = Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
+    let grouped = Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: Some((4, 2)) };
+    let (mut r, mut flat) = (Router::new(shape, Some(grouped), false), Router::new(shape, Some(Keep { groups: None, ..grouped }), false));
+    let mut wrong_flat = 0;
+    for (t, want) in truth.iter().enumerate() {
+        let row = tr.row(t as u64);
+        let mut got = r.route(&row, 0).picks.to_vec();
+        got.sort_unstable();
+        assert_eq!(&got, want, "row {t}: re-routed within the groups");
+        let mut got = flat.route(&row, 0).picks.to_vec();
+        got.sort_unstable();
+        wrong_flat += (&got != want) as u32;
+    }
+    eprintln!("groups: {} rows, {wrong_flat} wrong ignoring the groups", truth.len());
+    assert!(wrong_flat > 20, "ignoring the groups only {wrong_flat} rows re-route wrongly");
+
+    let out_json = d.join("r.json");
+    let replay = |trace: &Path| {
+        run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(trace).arg("--keep-map").arg(&map).arg("--model").arg(&model).arg("--json").arg(&out_json))
+    };
+    let o = replay(&full);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&read(&out_json)).unwrap();
+    assert_eq!(v["keep_map"]["rerouting"], "probability + selection bias, within the chosen expert groups");
+    assert_eq!(v["keep_map"]["forced_misses"], 0);
+    let o = replay(&trace_of(&d.join("orig10"), &model, "10"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("choice of groups is not modelled") && err.contains("--trace-top-n 32"), "{err}");
 }

@@ -129,11 +129,14 @@ pub struct Keep<'a> {
     /// the router's probabilities are a softmax over the experts, so the pruned model's are
     /// renormalised over the kept ones (with a bias that changes the choice)
     pub renormalise: bool,
+    /// group-limited routing (DeepSeek-V3): `(groups, groups used)`; the experts of group g
+    /// are ids `g·n/groups .. (g+1)·n/groups`. Needs a trace listing every expert.
+    pub groups: Option<(usize, usize)>,
 }
 
 impl<'a> From<&'a [bool]> for Keep<'a> {
     fn from(flags: &'a [bool]) -> Self {
-        Keep { flags, bias: None, renormalise: false }
+        Keep { flags, bias: None, renormalise: false, groups: None }
     }
 }
 
@@ -159,6 +162,11 @@ pub struct Router<'a> {
     /// the bounds of the unlisted kept experts of this (token, layer), largest first
     bounds: Vec<f32>,
     renormalise: bool,
+    /// group-limited routing: per expert (score, candidate rank; NONE where not kept), per
+    /// group (score, group), and the chosen groups' kept experts (score, id, rank)
+    full: Vec<(f32, u16)>,
+    group_scores: Vec<(f32, usize)>,
+    pool: Vec<(f32, u16, u16)>,
 }
 
 /// What `Router::route` hands back.
@@ -185,7 +193,23 @@ impl<'a> Router<'a> {
         let listed = if max_bias.is_empty() { Vec::new() } else { vec![0; ne] };
         let (ids, ranks, scores) = (vec![0; shape.k + 1], vec![NONE; shape.k + 1], vec![0.0; shape.k + 1]);
         let renormalise = keep.is_some_and(|k| k.renormalise);
-        Router { shape, keep, want_ranks, ids, ranks, scores, max_bias, by_bias, listed, stamp: 0, bounds: Vec::new(), renormalise }
+        Router {
+            shape,
+            keep,
+            want_ranks,
+            ids,
+            ranks,
+            scores,
+            max_bias,
+            by_bias,
+            listed,
+            stamp: 0,
+            bounds: Vec::new(),
+            renormalise,
+            full: Vec::new(),
+            group_scores: Vec::new(),
+            pool: Vec::new(),
+        }
     }
 
     pub fn keep_layer(&self, li: usize) -> Option<&'a [bool]> {
@@ -211,6 +235,11 @@ impl<'a> Router<'a> {
                 Routed { picks: sel, ranks: &self.ranks[..sel.len()], forced: 0 }
             }
             Some(keep) => match self.keep.and_then(|kp| kp.bias) {
+                _ if self.keep.is_some_and(|kp| kp.groups.is_some()) => {
+                    let b = self.keep.and_then(|kp| kp.bias).map(|b| &b[li * ne..(li + 1) * ne]);
+                    let n = self.route_grouped(row, li, keep, b);
+                    Routed { picks: &self.ids[..n], ranks: &self.ranks[..n], forced: k - n }
+                }
                 Some(b) => {
                     let n = self.route_biased(row, li, keep, &b[li * ne..(li + 1) * ne]);
                     Routed { picks: &self.ids[..n], ranks: &self.ranks[..n], forced: k - n }
@@ -231,6 +260,92 @@ impl<'a> Router<'a> {
                 }
             },
         }
+    }
+
+    /// The pruned model's choice under group-limited routing, as llama.cpp's build_moe_ffn
+    /// makes it, from a trace that lists every expert: each kept expert scores p' + b (b = 0
+    /// without a bias; p' as in [Router::route_biased]); a group scores the sum of its best two
+    /// kept experts; the `used` best groups stay, and the picks are the top k kept experts of
+    /// those. An exact tie between the last group in and the first out names no pick; an
+    /// expert is named only when fewer than k others in the chosen groups score as much.
+    /// Returns how many are named (the best first).
+    fn route_grouped(&mut self, row: &Row, li: usize, keep: &[bool], b: Option<&[f32]>) -> usize {
+        let (k, ne) = (self.shape.k, self.shape.n_expert);
+        let Some(Keep { groups: Some((g, used)), .. }) = self.keep else { return 0 };
+        let (cand, cp) = (row.cand_ids(li), row.cand_probs(li));
+        if cand.len() < ne || g == 0 || ne % g != 0 || used == 0 || used > g {
+            return 0; // replay refuses such a trace or model before it gets here
+        }
+        let per = ne / g;
+        // a softmax pruned: p' = p / S over the kept experts (the same for every expert of the
+        // token, so it matters only with a bias)
+        let scale = if self.renormalise {
+            let s: f32 = cand.iter().zip(cp).filter(|(&e, _)| keep.get(e as usize).copied().unwrap_or(false)).map(|(_, &p)| p).sum();
+            if s.is_nan() || s <= 0.0 {
+                return 0;
+            }
+            s
+        } else {
+            1.0
+        };
+        self.full.clear();
+        self.full.resize(ne, (f32::NEG_INFINITY, NONE));
+        for (r, (&e, &p)) in cand.iter().zip(cp).enumerate() {
+            if !keep.get(e as usize).copied().unwrap_or(false) {
+                continue;
+            }
+            let p = if self.renormalise { p / scale } else { p };
+            let s = p + b.map_or(0.0, |b| b[e as usize]);
+            if s.is_nan() {
+                return 0;
+            }
+            self.full[e as usize] = (s, r as u16);
+        }
+        // each group's score: its best two kept experts' sum (f32, as ggml_sum_rows adds them)
+        self.group_scores.clear();
+        for gi in 0..g {
+            let (mut a, mut c) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &(s, r) in &self.full[gi * per..(gi + 1) * per] {
+                if r == NONE {
+                    continue;
+                }
+                if s > a {
+                    c = a;
+                    a = s;
+                } else if s > c {
+                    c = s;
+                }
+            }
+            self.group_scores.push((a + c, gi));
+        }
+        self.group_scores.sort_by(|x, y| y.0.total_cmp(&x.0));
+        if used < g && self.group_scores[used - 1].0.partial_cmp(&self.group_scores[used].0) != Some(std::cmp::Ordering::Greater) {
+            return 0; // which group is in is a tie (or no group has two kept experts)
+        }
+        // the kept experts of the chosen groups, best first
+        self.pool.clear();
+        for &(_, gi) in &self.group_scores[..used] {
+            for (j, &(s, r)) in self.full[gi * per..(gi + 1) * per].iter().enumerate() {
+                if r != NONE {
+                    self.pool.push((s, (gi * per + j) as u16, r));
+                }
+            }
+        }
+        self.pool.sort_by(|x, y| y.0.total_cmp(&x.0));
+        let picks = self.pool.len().min(k);
+        let mut named = 0;
+        for j in 0..picks {
+            let s = self.pool[j].0;
+            // others in the chosen groups scoring as much: those before j, and ties after it
+            let others = j + self.pool[j + 1..].iter().take_while(|x| x.0 >= s).count();
+            if others >= k {
+                break;
+            }
+            self.ids[j] = self.pool[j].1;
+            self.ranks[j] = self.pool[j].2;
+            named += 1;
+        }
+        named
     }
 
     /// The pruned model's choice under a selection bias, as llama.cpp makes it: the top k of
@@ -437,7 +552,7 @@ pub fn run(
     // re-routing (usually within the first 2k)
     // (with a selection bias, possibly all of them)
     let reroute_depth = match keep {
-        Some(Keep { bias: Some(_), .. }) => trace.header.top_n as usize,
+        Some(Keep { bias: Some(_), .. } | Keep { groups: Some(_), .. }) => trace.header.top_n as usize,
         Some(_) => 2 * shape.k,
         None => 0,
     };

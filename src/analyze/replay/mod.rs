@@ -195,8 +195,7 @@ pub struct Outcome {
 pub fn simulate(
     trace: &TraceReader,
     rows: impl Into<Rows>,
-    keep: Option<&[bool]>,
-    bias: Option<(&[f32], bool)>,
+    keep: Option<Keep>,
     policies: &[Policy],
     caps: &[Vec<usize>],
     decay: f64,
@@ -204,7 +203,6 @@ pub fn simulate(
     near_pick_weight: f64,
 ) -> Result<(Vec<Outcome>, Forced)> {
     let rows: Rows = rows.into();
-    let keep = keep.map(|flags| Keep { flags, bias: bias.map(|b| b.0), renormalise: bias.is_some_and(|b| b.1) });
     let h = &trace.header;
     let shape = Shape { n_layers: h.n_layers(), n_expert: h.n_expert as usize, k: h.k as usize };
     let mut fams: Vec<Box<dyn Family>> = Vec::new();
@@ -382,20 +380,39 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         (Some(_), Some(model)) => reroute_by(model, &trace, args.reap.as_deref())?,
         _ => None,
     };
-    let rerouting = match &reroute {
-        None => "probability",
-        Some((_, false)) => "probability + selection bias",
-        Some((_, true)) => "renormalised probability + selection bias",
-    };
-    if let Some((p, _)) = &km {
-        if let Some((groups, used)) = args.model.as_deref().map(gguf::expert_groups).transpose().map_err(|e| usage(format!("--model: {e:#}")))?.flatten() {
-            let w = format!(
-                "the model routes within {used} of {groups} expert groups (expert_group_count); re-routing for --keep-map {} does not model the choice of groups",
-                p.display()
-            );
-            eprintln!("warning: {w}");
-            warnings.push(w);
+    // group-limited routing (DeepSeek-V3): modelled where the trace lists every expert
+    let mut groups = None;
+    if let (Some((p, _)), Some(model)) = (&km, &args.model) {
+        if let Some((n, used)) = gguf::expert_groups(model).map_err(|e| usage(format!("--model: {e:#}")))? {
+            if ne % n as usize != 0 {
+                return Err(usage(format!("--model {}: {ne} experts do not split into {n} expert groups", model.display())));
+            }
+            if (h.top_n as usize) < ne {
+                let w = format!(
+                    "the model routes within {used} of {n} expert groups (expert_group_count); re-routing for --keep-map {} needs \
+                     every expert's score to choose the groups, and the trace lists the top {} of {ne}: the choice of groups is \
+                     not modelled (trace again with --trace-top-n {ne})",
+                    p.display(),
+                    h.top_n
+                );
+                eprintln!("warning: {w}");
+                warnings.push(w);
+            } else {
+                groups = Some((n as usize, used as usize));
+            }
         }
+    }
+    let rerouting = format!(
+        "{}{}",
+        match &reroute {
+            None => "probability",
+            Some((_, false)) => "probability + selection bias",
+            Some((_, true)) => "renormalised probability + selection bias",
+        },
+        if groups.is_some() { ", within the chosen expert groups" } else { "" }
+    );
+    let rerouting = rerouting.as_str();
+    if let Some((p, _)) = &km {
         if reroute.is_none() {
             let (off, scanned) = picks_off_candidates(&trace, &visit);
             if off > 0 {
@@ -437,8 +454,12 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     let (outcomes, forced) = simulate(
         &trace,
         visit,
-        keep_flags.as_deref(),
-        reroute.as_ref().map(|(b, r)| (b.as_slice(), *r)),
+        keep_flags.as_deref().map(|flags| Keep {
+            flags,
+            bias: reroute.as_ref().map(|(b, _)| b.as_slice()),
+            renormalise: reroute.as_ref().is_some_and(|(_, r)| *r),
+            groups,
+        }),
         &run_policies,
         &cap_layers,
         args.ema_decay,

@@ -55,7 +55,7 @@ fn single(seq: &[u16], probs: Option<&[f32]>) -> Vec<Tok> {
 fn misses(path: &Path, policy: Policy, cap: usize, decay: f64) -> (u64, u64) {
     let tr = TraceReader::open(path).unwrap();
     let caps = vec![vec![cap; tr.header.n_layers()]];
-    let (o, f) = simulate(&tr, 0..tr.n_rows, None, None, &[policy], &caps, decay, 48, 1.0).unwrap();
+    let (o, f) = simulate(&tr, 0..tr.n_rows, None, &[policy], &caps, decay, 48, 1.0).unwrap();
     assert_eq!(f.forced.iter().sum::<u64>(), 0);
     (o[0].hits.iter().sum(), o[0].misses.iter().sum())
 }
@@ -133,7 +133,7 @@ fn keep_map_reroutes_and_counts_forced_misses() {
     let p = write_trace("keep", 4, 2, 3, &toks);
     let tr = TraceReader::open(&p).unwrap();
     let keep = vec![true, false, false, true];
-    let (o, f) = simulate(&tr, 0..3, Some(&keep), None, &[Policy::Lru, Policy::Belady], &[vec![2]], 0.99, 48, 1.0).unwrap();
+    let (o, f) = simulate(&tr, 0..3, Some(Keep::from(&keep[..])), &[Policy::Lru, Policy::Belady], &[vec![2]], 0.99, 48, 1.0).unwrap();
     assert_eq!(f.forced, vec![2]);
     assert_eq!(f.tokens_short, vec![2]);
     for x in &o {
@@ -146,9 +146,9 @@ fn keep_map_reroutes_and_counts_forced_misses() {
 fn token_ranges_replay_only_those_rows() {
     let p = write_trace("range", 4, 1, 1, &single(&[0, 1, 2, 3, 0, 1, 2, 3], None));
     let tr = TraceReader::open(&p).unwrap();
-    let (o, _) = simulate(&tr, 4..8, None, None, &[Policy::Lru], &[vec![4]], 0.99, 48, 1.0).unwrap();
+    let (o, _) = simulate(&tr, 4..8, None, &[Policy::Lru], &[vec![4]], 0.99, 48, 1.0).unwrap();
     assert_eq!((o[0].hits[0], o[0].misses[0]), (0, 4));
-    let (o, _) = simulate(&tr, 0..8, None, None, &[Policy::Lru], &[vec![4]], 0.99, 48, 1.0).unwrap();
+    let (o, _) = simulate(&tr, 0..8, None, &[Policy::Lru], &[vec![4]], 0.99, 48, 1.0).unwrap();
     assert_eq!((o[0].hits[0], o[0].misses[0]), (4, 4));
     assert_eq!(parse_range("2..5", 8).unwrap(), 2..5);
     assert_eq!(parse_range("3..", 8).unwrap(), 3..8);
@@ -264,7 +264,7 @@ const ALL: [Policy; 6] = [Policy::Lru, Policy::Lfu, Policy::Ema, Policy::NearPic
 fn compare_with_naive(tr: &TraceReader, rows: Range<u64>, keep: Option<&[bool]>, caps: &[usize], decay: f64) {
     let nl = tr.header.n_layers();
     let cap_l: Vec<Vec<usize>> = caps.iter().map(|&c| vec![c; nl]).collect();
-    let (out, _) = simulate(tr, rows.clone(), keep, None, &ALL, &cap_l, decay, 4, 0.7).unwrap();
+    let (out, _) = simulate(tr, rows.clone(), keep.map(Keep::from), &ALL, &cap_l, decay, 4, 0.7).unwrap();
     for o in &out {
         let policy = *ALL.iter().find(|p| p.name() == o.policy).unwrap();
         let n = Naive { policy, decay, near_n: 4, near_w: 0.7, keep };
@@ -283,7 +283,7 @@ fn every_policy_matches_the_naive_reference_and_lazy_decay_matches_eager_exactly
     }
     // the trace makes the caches work: at C = 3 every policy misses well beyond the cold
     // misses, and Belady least
-    let (out, _) = simulate(&tr, 0..3000, None, None, &ALL, &[vec![3, 3]], 0.9, 4, 0.7).unwrap();
+    let (out, _) = simulate(&tr, 0..3000, None, &ALL, &[vec![3, 3]], 0.9, 4, 0.7).unwrap();
     let total = |p: &str| out.iter().find(|o| o.policy == p).map(|o| o.misses.iter().sum::<u64>()).unwrap();
     for p in ALL {
         assert!(total(p.name()) > 1000, "{}: {}", p.name(), total(p.name()));
@@ -309,7 +309,7 @@ fn every_policy_matches_the_naive_reference_and_lazy_decay_matches_eager_exactly
     }
     compare_with_naive(&tr, 500..2500, Some(&keep), &[2, 4], 0.9);
     let sparse: Vec<bool> = (0..24).map(|i| i % 4 == 0).collect();
-    let (_, f) = simulate(&tr, 0..3000, Some(&sparse), None, &[Policy::Lru], &[vec![2, 2]], 0.9, 4, 1.0).unwrap();
+    let (_, f) = simulate(&tr, 0..3000, Some(Keep::from(&sparse[..])), &[Policy::Lru], &[vec![2, 2]], 0.9, 4, 1.0).unwrap();
     assert!(f.forced.iter().sum::<u64>() > 0, "the sparse map leaves some tokens short");
     compare_with_naive(&tr, 0..3000, Some(&sparse), &[2, 3], 0.5);
 }
@@ -325,6 +325,20 @@ fn ranks_are_none_for_picks_outside_the_candidates() {
     let row = tr.row(0);
     let x = r.route(&row, 0);
     assert_eq!((x.picks, x.ranks), (&[3u16][..], &[NONE][..]));
+}
+
+/// One token's router: logits N(0, 2²), p their softmax (or, elementwise, uniform in [0, 1)),
+/// and Σ over the kept experts of exp(logit) (the pruned softmax's denominator).
+fn random_router(rng: &mut crate::fixture::rng::Rng, ne: usize, softmax: bool, keep: &[bool]) -> (Vec<f64>, Vec<f32>, f64) {
+    let logits: Vec<f64> = (0..ne).map(|_| rng.normal() * 2.0).collect();
+    let p: Vec<f32> = if softmax {
+        let z: f64 = logits.iter().map(|l| l.exp()).sum();
+        logits.iter().map(|l| (l.exp() / z) as f32).collect()
+    } else {
+        (0..ne).map(|_| rng.uniform() as f32).collect()
+    };
+    let z_kept = (0..ne).filter(|&e| keep[e]).map(|e| logits[e].exp()).sum();
+    (logits, p, z_kept)
 }
 
 /// Re-routing under a selection bias, against brute force. Random probabilities and biases
@@ -347,18 +361,11 @@ fn biased_rerouting_names_exactly_the_certain_picks() {
     for (top_n, softmax) in [(ne, false), (8, false), (5, false), (ne, true)] {
         let (mut toks, mut truth) = (Vec::new(), Vec::new());
         for t in 0..400 {
-            let logits: Vec<f64> = (0..ne).map(|_| rng.normal() * 2.0).collect();
-            let mut p: Vec<f32> = if softmax {
-                let z: f64 = logits.iter().map(|l| l.exp()).sum();
-                logits.iter().map(|l| (l.exp() / z) as f32).collect()
-            } else {
-                (0..ne).map(|_| rng.uniform() as f32).collect()
-            };
+            let (logits, mut p, z_kept) = random_router(&mut rng, ne, softmax, &keep);
             if !softmax && t % 4 == 0 {
                 p[5] = p[2];
             }
             // the pruned model's scores, with full knowledge
-            let z_kept: f64 = (0..ne).filter(|&e| keep[e]).map(|e| logits[e].exp()).sum();
             let score: Vec<f64> = (0..ne)
                 .map(|e| if softmax { logits[e].exp() / z_kept + bias[e] as f64 } else { (p[e] + bias[e]) as f64 })
                 .collect();
@@ -376,7 +383,7 @@ fn biased_rerouting_names_exactly_the_certain_picks() {
         let path = write_trace(&format!("biased-{top_n}-{softmax}"), ne as u32, k as u32, top_n as u32, &toks);
         let tr = TraceReader::open(&path).unwrap();
         let shape = Shape { n_layers: 1, n_expert: ne, k };
-        let mut r = engine::Router::new(shape, Some(Keep { flags: &keep, bias: Some(&bias), renormalise: softmax }), true);
+        let mut r = engine::Router::new(shape, Some(Keep { flags: &keep, bias: Some(&bias), renormalise: softmax, groups: None }), true);
         for (t, (certain, score, p, by_p)) in truth.iter().enumerate() {
             let row = tr.row(t as u64);
             let x = r.route(&row, 0);
@@ -441,4 +448,82 @@ fn picks_below_the_first_candidates_are_counted_but_ties_are_not() {
     let p = write_trace("off-candidates-tie", 4, 2, 3, &toks[..2]);
     let tr = TraceReader::open(&p).unwrap();
     assert_eq!(picks_off_candidates(&tr, &Rows::Range(0..2)), (0, "the trace's first 2 rows (none among the replayed rows)".to_string()));
+}
+
+/// Group-limited re-routing against llama.cpp's algorithm written out plainly: 16 experts in 4
+/// groups, 2 used, k = 3, three kept per group; random sigmoid-like p and biases, with and
+/// without the bias, and a softmax router with a bias. Every named pick is the truth's, and
+/// all k are named except at exact ties (planted: equal p for two experts of one bias).
+#[test]
+fn grouped_rerouting_follows_the_chosen_groups() {
+    use crate::fixture::rng::Rng;
+    let (ne, k, g, used) = (16usize, 3usize, 4usize, 2usize);
+    let mut rng = Rng::stream(11, "grouped-reroute");
+    let keep: Vec<bool> = (0..ne).map(|e| e % 4 != 3).collect();
+    let mut bias: Vec<f32> = (0..ne).map(|_| (rng.normal() * 0.1) as f32).collect();
+    bias[1] = bias[0];
+    for (with_bias, softmax) in [(false, false), (true, false), (true, true)] {
+        let (mut toks, mut truth) = (Vec::new(), Vec::new());
+        for t in 0..300 {
+            let (logits, mut p, z_kept) = random_router(&mut rng, ne, softmax, &keep);
+            if !softmax && t % 5 == 0 {
+                p[1] = p[0];
+            }
+            // the pruned model: its own softmax over the kept logits, or p
+            let s = |e: usize| -> f64 {
+                let pp = if softmax { logits[e].exp() / z_kept } else { p[e] as f64 };
+                pp + if with_bias { bias[e] as f64 } else { 0.0 }
+            };
+            let per = ne / g;
+            let mut gs: Vec<(f64, usize)> = (0..g)
+                .map(|gi| {
+                    let mut v: Vec<f64> = (gi * per..(gi + 1) * per).filter(|&e| keep[e]).map(s).collect();
+                    v.sort_by(|a, b| b.total_cmp(a));
+                    (v[0] + v[1], gi)
+                })
+                .collect();
+            gs.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let mut pool: Vec<usize> = gs[..used].iter().flat_map(|&(_, gi)| (gi * per..(gi + 1) * per).filter(|&e| keep[e])).collect();
+            pool.sort_by(|&a, &b| s(b).total_cmp(&s(a)));
+            let boundary_tie = (s(pool[k - 1]) - s(pool[k])).abs() < 1e-6 || (gs[used - 1].0 - gs[used].0).abs() < 1e-6;
+            let mut want: Vec<u16> = pool[..k].iter().map(|&e| e as u16).collect();
+            want.sort_unstable();
+            truth.push((want, boundary_tie));
+            let mut by_p: Vec<u16> = (0..ne as u16).collect();
+            by_p.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+            let prob = by_p.iter().map(|&e| p[e as usize]).collect();
+            toks.push(Tok { sel: vec![by_p[..k].to_vec()], cand: vec![by_p.clone()], prob: vec![prob] });
+        }
+        let path = write_trace(&format!("grouped-{with_bias}-{softmax}"), ne as u32, k as u32, ne as u32, &toks);
+        let tr = TraceReader::open(&path).unwrap();
+        let shape = Shape { n_layers: 1, n_expert: ne, k };
+        let keep_arg = Keep { flags: &keep, bias: with_bias.then_some(&bias[..]), renormalise: softmax, groups: Some((g, used)) };
+        let mut r = engine::Router::new(shape, Some(keep_arg), true);
+        let mut full = 0;
+        for (t, (want, tie)) in truth.iter().enumerate() {
+            let row = tr.row(t as u64);
+            let x = r.route(&row, 0);
+            assert_eq!(x.forced, k - x.picks.len());
+            for (&e, &rk) in x.picks.iter().zip(x.ranks) {
+                assert!(want.contains(&e), "bias {with_bias} softmax {softmax} token {t}: {e} named, truth {want:?}");
+                assert_eq!(toks[t].cand[0][rk as usize], e);
+            }
+            if !tie {
+                let mut got = x.picks.to_vec();
+                got.sort_unstable();
+                assert_eq!(&got, want, "bias {with_bias} softmax {softmax} token {t}");
+                full += 1;
+            }
+        }
+        assert!(full > 250, "{full}");
+        // the groups matter: ignoring them re-routes some tokens differently
+        let mut r = engine::Router::new(shape, Some(Keep { groups: None, ..keep_arg }), false);
+        let differ = truth.iter().enumerate().filter(|(t, (want, _))| {
+            let row = tr.row(*t as u64);
+            let mut got = r.route(&row, 0).picks.to_vec();
+            got.sort_unstable();
+            &got != want
+        });
+        assert!(differ.count() > 30, "bias {with_bias} softmax {softmax}");
+    }
 }
