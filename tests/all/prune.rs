@@ -1004,4 +1004,13 @@ fn keep_map_rerouting_follows_a_group_routed_pruned_model() {
     let o = replay(&trace_of(&d.join("orig10"), &model, "10"));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("choice of groups is not modelled") && err.contains("--trace-top-n 32"), "{err}");
+    // a map prune would refuse (groups keeping different numbers) is refused here too
+    let mut v: Value = serde_json::from_slice(&read(&map)).unwrap();
+    v["layers"][0]["keep"] = json!((0..16).collect::<Vec<u16>>());
+    std::fs::write(&map, serde_json::to_string(&v).unwrap()).unwrap();
+    std::fs::remove_file(&out_json).unwrap();
+    let o = replay(&full);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("keeps [8, 8, 0, 0] experts of its 4 expert groups") && !out_json.exists(), "{err}");
 }

@@ -245,7 +245,8 @@ fn no_mtp_kvs(h: &Header, b: &[u8], arch: &str, n_nextn: u64) -> Result<Vec<(Str
 /// splits the pruned layer's experts into `groups` equal runs again, so every group must keep
 /// the same number (then each kept expert stays in its group), at least the two it scores a
 /// group by, and the `groups_used` best groups must still hold the experts a token uses.
-fn check_groups(keep: &[Vec<u16>], blocks: &[u32], path: &Path, n_expert: u64, groups: u64, groups_used: u64, n_used: u64) -> Result<()> {
+/// (Also `replay --keep-map` of a group-routed model: the same rule.)
+pub(crate) fn check_groups(keep: &[Vec<u16>], blocks: &[u32], path: &Path, n_expert: u64, groups: u64, groups_used: u64, n_used: u64) -> Result<()> {
     let per_group = n_expert / groups;
     let k = keep[0].len() as u64;
     for (ids, b) in keep.iter().zip(blocks) {

@@ -91,13 +91,14 @@ fn arch_u32(g: &Gguf, name: &str) -> Option<u32> {
     }
 }
 
-/// `(<arch>.expert_group_count, <arch>.expert_group_used_count)` where groups mask experts
-/// (DeepSeek-V3's group-limited routing: more than one group, fewer of them used).
+/// `(<arch>.expert_group_count, <arch>.expert_group_used_count)` where the model has more than
+/// one group (DeepSeek-V3's group-limited routing); a missing used count reads as 0, as
+/// llama.cpp reads it (which then refuses the model).
 pub fn expert_groups(model: &Path) -> Result<Option<(u32, u32)>> {
     let g = open(model)?;
     let groups = arch_u32(&g, "expert_group_count").unwrap_or(0);
-    let used = arch_u32(&g, "expert_group_used_count").unwrap_or(groups);
-    Ok(Some((groups, used)).filter(|&(n, u)| n > 1 && u < n))
+    let used = arch_u32(&g, "expert_group_used_count").unwrap_or(0);
+    Ok(Some((groups, used)).filter(|&(n, _)| n > 1))
 }
 
 /// `<arch>.expert_gating_func` (llama_expert_gating_func_type), where present.

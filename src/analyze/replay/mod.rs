@@ -382,11 +382,20 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     };
     // group-limited routing (DeepSeek-V3): modelled where the trace lists every expert
     let mut groups = None;
-    if let (Some((p, _)), Some(model)) = (&km, &args.model) {
+    let mut model_groups = None;
+    if let (Some((p, m)), Some(model)) = (&km, &args.model) {
         if let Some((n, used)) = gguf::expert_groups(model).map_err(|e| usage(format!("--model: {e:#}")))? {
-            if ne % n as usize != 0 {
-                return Err(usage(format!("--model {}: {ne} experts do not split into {n} expert groups", model.display())));
+            model_groups = Some((n, used));
+            // llama.cpp's own checks on loading (llama-model.cpp)
+            if ne % n as usize != 0 || n as usize >= ne || used == 0 || used >= n {
+                return Err(usage(format!(
+                    "--model {}: {ne} experts in {n} expert groups, {used} used: llama.cpp refuses such a model (the groups must split the \
+                     experts, and 0 < groups used < groups)",
+                    model.display()
+                )));
             }
+            let keep: Vec<Vec<u16>> = m.layers.iter().map(|l| l.keep.clone()).collect();
+            crate::analyze::prune::check_groups(&keep, &h.layers, p, ne as u64, n as u64, used as u64, k as u64)?;
             if (h.top_n as usize) < ne {
                 let w = format!(
                     "the model routes within {used} of {n} expert groups (expert_group_count); re-routing for --keep-map {} needs \
@@ -413,14 +422,16 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     );
     let rerouting = rerouting.as_str();
     if let Some((p, _)) = &km {
-        if reroute.is_none() {
+        // (group masking moves picks below their first candidates too; the groups' own
+        // warning or modelling covers it)
+        if reroute.is_none() && model_groups.is_none() {
             let (off, scanned) = picks_off_candidates(&trace, &visit);
             if off > 0 {
                 let w = match &args.model {
                     None => format!(
                         "{off} token-layers of {scanned} pick experts below their first k candidates: the router adds a selection \
-                         bias, which re-routing for --keep-map {} ignores without the model (give --model GGUF to re-route by \
-                         probability + bias)",
+                         bias or routes within expert groups, which re-routing for --keep-map {} ignores without the model (give \
+                         --model GGUF to re-route by them)",
                         p.display()
                     ),
                     Some(m) => format!(
