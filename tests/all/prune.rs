@@ -793,6 +793,18 @@ fn first_layer_picks(trace: &Path, kept: &[u16]) -> Vec<Vec<u16>> {
         .collect()
 }
 
+/// Writes a keep map of `keep` (one list per block of `blocks`, `k` each) as `d/kK.json`,
+/// prunes `model` by it (without its nextn block) and traces the pruned model: the map's path
+/// and the pruned model's first-MoE-layer picks as original ids ([first_layer_picks]).
+fn prune_and_trace(d: &Path, model: &Path, keep: &[Vec<u16>], blocks: &[u32], k: &str) -> (PathBuf, Vec<Vec<u16>>) {
+    let layers: Vec<Value> = keep.iter().zip(blocks).map(|(l, b)| json!({"layer": b, "keep": l})).collect();
+    let v = json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": k.parse::<u64>().unwrap(), "layers": layers});
+    let map = write_map(&d.join(format!("k{k}.json")), v);
+    let pruned = d.join("p.gguf");
+    prune_ok(model, &map, &pruned, &["--drop-nextn"]);
+    (map, first_layer_picks(&trace_of(&d.join("pruned"), &pruned, k), &keep[0]))
+}
+
 /// Keep lists as `layers × ne` flags.
 fn keep_flags(keep: &[Vec<u16>], ne: usize) -> Vec<bool> {
     let mut flags = vec![false; keep.len() * ne];
@@ -831,11 +843,7 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
     assert_eq!(blocks, [1, 2, 3]);
     // 12 of 32 per layer: the most used, so that most tokens lose some of their picks
     let keep = most_used(&sal, 12);
-    let layers: Vec<Value> = keep.iter().zip(&blocks).map(|(k, b)| json!({"layer": b, "keep": k})).collect();
-    let map = write_map(&d.join("k12.json"), json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": 12, "layers": layers}));
-    let pruned = d.join("p.gguf");
-    prune_ok(&model, &map, &pruned, &["--drop-nextn"]);
-    let truth = first_layer_picks(&trace_of(&d.join("pruned"), &pruned, "12"), &keep[0]);
+    let (map, truth) = prune_and_trace(&d, &model, &keep, &blocks, "12");
     let ne = 32usize;
     let flags = keep_flags(&keep, ne);
     let bias = selection_bias(&model, &blocks, ne).unwrap().expect("glm4moe has exp_probs_b");
@@ -967,11 +975,7 @@ fn keep_map_rerouting_follows_a_group_routed_pruned_model() {
             kept
         })
         .collect();
-    let layers: Vec<Value> = keep.iter().zip(&blocks).map(|(k, b)| json!({"layer": b, "keep": k})).collect();
-    let map = write_map(&d.join("k16.json"), json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": 16, "layers": layers}));
-    let pruned = d.join("p.gguf");
-    prune_ok(&model, &map, &pruned, &["--drop-nextn"]);
-    let truth = first_layer_picks(&trace_of(&d.join("pruned"), &pruned, "16"), &keep[0]);
+    let (map, truth) = prune_and_trace(&d, &model, &keep, &blocks, "16");
     let ne = 32usize;
     let flags = keep_flags(&keep, ne);
     let bias = selection_bias(&model, &blocks, ne).unwrap().unwrap();

@@ -280,11 +280,10 @@ impl<'a> Router<'a> {
         // a softmax pruned: p' = p / S over the kept experts (the same for every expert of the
         // token, so it matters only with a bias)
         let scale = if self.renormalise {
-            let s: f32 = cand.iter().zip(cp).filter(|(&e, _)| keep.get(e as usize).copied().unwrap_or(false)).map(|(_, &p)| p).sum();
-            if s.is_nan() || s <= 0.0 {
-                return 0;
+            match kept_share(cand, cp, keep) {
+                Some(s) => s,
+                None => return 0,
             }
-            s
         } else {
             1.0
         };
@@ -368,11 +367,10 @@ impl<'a> Router<'a> {
             return 0; // S is not known (replay refuses such a trace before it gets here)
         }
         let scale = if self.renormalise {
-            let s: f32 = cand.iter().zip(cp).filter(|(&e, _)| keep.get(e as usize).copied().unwrap_or(false)).map(|(_, &p)| p).sum();
-            if s.is_nan() || s <= 0.0 {
-                return 0;
+            match kept_share(cand, cp, keep) {
+                Some(s) => Some(s),
+                None => return 0,
             }
-            Some(s)
         } else {
             None
         };
@@ -449,6 +447,13 @@ impl<'a> Router<'a> {
             })
             .count()
     }
+}
+
+/// Σ p over the kept candidates: a pruned softmax's denominator S (p' = p / S) when every
+/// expert is listed; None where it is not a positive number.
+fn kept_share(cand: &[u16], cp: &[f32], keep: &[bool]) -> Option<f32> {
+    let s: f32 = cand.iter().zip(cp).filter(|(&e, _)| keep.get(e as usize).copied().unwrap_or(false)).map(|(_, &p)| p).sum();
+    (s > 0.0).then_some(s)
 }
 
 /// Engine-level counts, the same for every policy.
