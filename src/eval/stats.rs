@@ -530,6 +530,28 @@ mod tests {
         a.add(&[0.0, 1.0], &r, 0);
         assert!(a.summary().is_some());
     }
+
+    /// `C` against C's own printf (libc's snprintf), for the values upstream's lines can hold:
+    /// NaN of either sign (0/0 and √(−0) in the uncertainties), infinities, zeros of either
+    /// sign, at the widths and precisions upstream prints.
+    #[test]
+    fn floats_print_as_c_printf_prints_them_nans_included() {
+        let neg_nan = -f64::NAN;
+        assert!(neg_nan.is_sign_negative() && f64::NAN.is_sign_positive());
+        let values = [f64::NAN, neg_nan, (-0.0f64).sqrt(), f64::INFINITY, f64::NEG_INFINITY, 0.0, -0.0, 1.0 / 3.0, -2.5e-6, 18009.332509];
+        for v in values {
+            for (w, p) in [(10, 5), (10, 6), (6, 3), (0, 4), (8, 0)] {
+                let ours = format!("{:w$.p$}", c(v));
+                let mut buf = [0u8; 64];
+                let fmt = std::ffi::CString::new(format!("%{w}.{p}f")).unwrap();
+                // SAFETY: a bounded buffer, a format with one double conversion and one double.
+                let n = unsafe { libc::snprintf(buf.as_mut_ptr().cast(), buf.len(), fmt.as_ptr(), v) };
+                let theirs = std::str::from_utf8(&buf[..n as usize]).unwrap();
+                // Rust prints inf as `inf` too; the one difference is NaN
+                assert_eq!(ours, theirs, "value {v:?}, width {w}, precision {p}");
+            }
+        }
+    }
 }
 
 /// A float printed as C's printf prints it, as upstream's lines are: NaN as `nan` or `-nan`

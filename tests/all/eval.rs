@@ -170,8 +170,13 @@ fn eval_matches_llama_perplexity_kl_divergence_and_base_files_are_interchangeabl
     assert_matches_upstream(&v2["models"][0], &up);
 }
 
-/// A model against itself: zero divergences and uncertainties of 0/0 and √(−0), which C's
-/// printf writes `-nan` (Rust: `NaN`). The chunk lines and the statistics are upstream's text.
+/// A model against itself: divergences of the base's quantization error only, whose
+/// uncertainties can be 0/0 or √(−0), which C's printf writes `-nan` (Rust: `NaN`). The chunk
+/// lines and the statistics are upstream's text, whatever it holds. Whether a `-nan` arises
+/// depends on the CPU's rounding: on the AVX512 machines of earlier sessions upstream printed
+/// one here; on an AVX2 AMD EPYC (2026-12-02) the variances came out positive and it printed
+/// none. The unit test `floats_print_as_c_printf_prints_them_nans_included` checks NaN's text
+/// against libc's printf on every machine.
 #[test]
 fn eval_of_a_model_against_itself_prints_upstreams_text_nans_included() {
     let d = temp_dir("eval-self");
@@ -187,7 +192,9 @@ fn eval_of_a_model_against_itself_prints_upstreams_text_nans_included() {
     let ours_out = String::from_utf8_lossy(&out.stdout);
     assert!(stats(&ours_out).len() > 20);
     assert_eq!(stats(&ours_out), stats(&up));
-    assert!(chunk_lines(&up).iter().any(|l| l.contains("-nan")), "the case this test is for: upstream prints -nan\n{up}");
+    if !chunk_lines(&up).iter().any(|l| l.contains("-nan")) {
+        eprintln!("note: upstream printed no -nan on this CPU; NaN's text is checked by the unit test against libc's printf");
+    }
 }
 
 #[test]
