@@ -81,7 +81,8 @@ pub fn check_saliency(s: &Saliency, gating: Gating, top: usize, rep: &mut Report
     rep.check(!s.layers.is_empty(), format!("{} MoE layers present", s.layers.len()));
     let blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
     rep.check(blocks.windows(2).all(|w| w[0] < w[1]), format!("layers in block order, each once: {blocks:?}"));
-    let drops_total: u64 = s.layers.iter().map(|l| s.tokens.saturating_sub(l.tokens)).sum();
+    // a nextn block has its own pass (`--nextn`), which a signal can stop a batch earlier
+    let drops_total: u64 = s.trunk().iter().map(|l| s.tokens.saturating_sub(l.tokens)).sum();
     rep.check(
         drops_total == s.nonfinite_drops,
         format!("nonfinite_drops = {} equals Σ over layers of (tokens − layer tokens) = {drops_total}", s.nonfinite_drops),
@@ -94,6 +95,12 @@ pub fn check_saliency(s: &Saliency, gating: Gating, top: usize, rep: &mut Report
     }
     if !s.domains.is_empty() {
         check_domains(s, rep);
+    }
+    for l in &s.layers[s.trunk().len()..] {
+        rep.notes.push(format!(
+            "layer {}: a nextn/MTP block, run in its own pass over {} of the {} tokens; not in the imatrix or the trace",
+            l.layer, l.tokens, s.tokens
+        ));
     }
 }
 
@@ -275,7 +282,7 @@ fn compare_imatrix(im: &imatrix_file::Loaded, p: &std::path::Path, s: &Saliency,
     let down = |name: &str| name.strip_prefix("blk.")?.strip_suffix(".ffn_down_exps.weight")?.parse::<u32>().ok();
     let mut im_blocks: Vec<u32> = im.entries.keys().filter_map(|n| down(n)).collect();
     im_blocks.sort_unstable();
-    let mut json_blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
+    let mut json_blocks: Vec<u32> = s.trunk().iter().map(|l| l.layer).collect();
     json_blocks.sort_unstable();
     rep.check(
         im_blocks == json_blocks,
@@ -301,7 +308,7 @@ fn compare_imatrix(im: &imatrix_file::Loaded, p: &std::path::Path, s: &Saliency,
             s.tokens
         ));
     }
-    for l in &s.layers {
+    for l in s.trunk() {
         let name = format!("blk.{}.ffn_down_exps.weight", l.layer);
         let Some(e) = im.entries.get(&name) else {
             rep.check(false, format!("layer {}: imatrix {} has no {name}", l.layer, p.display()));
@@ -423,9 +430,9 @@ pub fn check_trace(t: &TraceReader, top: usize, rep: &mut Report) -> PhaseCounts
 /// counts) only for the run that wrote both. A decode trace comes from trace-decode, never
 /// from the calibration run: its counts are set beside the JSON's, not compared.
 fn compare_trace(t: &TraceReader, s: &Saliency, normalised: Option<bool>, pc: &PhaseCounts, rep: &mut Report) {
-    let layers_match = t.header.layers == s.layers.iter().map(|l| l.layer).collect::<Vec<_>>();
+    let layers_match = t.header.layers == s.trunk().iter().map(|l| l.layer).collect::<Vec<_>>();
     rep.check(layers_match, format!("trace layers {:?} are the JSON's MoE layers", t.header.layers));
-    let shape_match = layers_match && s.layers.iter().all(|l| l.n_expert == t.header.n_expert as usize && l.n_expert_used == t.header.k as usize);
+    let shape_match = layers_match && s.trunk().iter().all(|l| l.n_expert == t.header.n_expert as usize && l.n_expert_used == t.header.k as usize);
     if layers_match {
         rep.check(shape_match, format!("trace shape ({} experts, k = {}) is the JSON's", t.header.n_expert, t.header.k));
     }
@@ -436,7 +443,7 @@ fn compare_trace(t: &TraceReader, s: &Saliency, normalised: Option<bool>, pc: &P
         return;
     }
     if t.header.flags & FLAG_DECODE != 0 {
-        for (li, l) in s.layers.iter().enumerate() {
+        for (li, l) in s.trunk().iter().enumerate() {
             let revived: Vec<usize> = (0..l.n_expert).filter(|&e| l.count[e] == 0 && pc.counts[1][li][e] > 0).collect();
             if !revived.is_empty() {
                 rep.notes.push(format!("layer {}: experts unused in the JSON's run but selected while decoding: {revived:?}", l.layer));
@@ -459,7 +466,7 @@ fn compare_trace(t: &TraceReader, s: &Saliency, normalised: Option<bool>, pc: &P
     if s.trace_tokens_written == s.tokens && t.n_rows >= s.tokens && s.nonfinite_drops == 0 {
         // a calibration trace is all prefill: its prefill counts are the whole trace's
         let counts = if t.n_rows == s.tokens { pc.counts[0].clone() } else { counts_of_first_rows(t, s, s.tokens) };
-        for (li, l) in s.layers.iter().enumerate() {
+        for (li, l) in s.trunk().iter().enumerate() {
             rep.check(counts[li] == l.count, format!("layer {}: counts recomputed from the trace equal the JSON's", l.layer));
         }
     } else {
@@ -473,7 +480,7 @@ fn compare_trace(t: &TraceReader, s: &Saliency, normalised: Option<bool>, pc: &P
 /// Selection counts per layer and expert over the first `n` rows of a trace.
 fn counts_of_first_rows(t: &TraceReader, s: &Saliency, n: u64) -> Vec<Vec<u64>> {
     let k = t.header.k as usize;
-    let mut counts: Vec<Vec<u64>> = s.layers.iter().map(|l| vec![0; l.n_expert]).collect();
+    let mut counts: Vec<Vec<u64>> = s.trunk().iter().map(|l| vec![0; l.n_expert]).collect();
     for r in t.rows().take(n as usize) {
         for (li, c) in counts.iter_mut().enumerate() {
             for &e in &r.sel_ids(li)[..k] {

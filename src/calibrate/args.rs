@@ -158,6 +158,11 @@ pub struct ImatrixArgs {
     #[arg(long = "no-reap", help_heading = "REAP")]
     pub no_reap: bool,
 
+    /// also run the model's nextn/MTP block (GLM-4.5/4.6) as llama.cpp's MTP drafting runs
+    /// it, teacher-forced, and add its REAP saliency to the JSON (docs/formats.md)
+    #[arg(long = "nextn", help_heading = "REAP")]
+    pub nextn: bool,
+
     /// fast mode for offloaded layers: Σx² reduced on the device, only the sums copied to the
     /// host (not byte-identical to upstream; see docs/gpu.md)
     #[arg(long = "imatrix-on-device")]

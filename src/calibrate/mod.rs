@@ -6,6 +6,7 @@
 pub mod args;
 pub mod coverage;
 pub mod metadata;
+pub mod nextn;
 pub mod observer;
 pub mod perplexity;
 pub mod show_statistics;
@@ -254,9 +255,24 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         std::thread::spawn(move || metadata::cached_sha256_file(&p).ok())
     };
     // every flag is read before the model loads: a typo costs a second, not the load
-    let params = model_params(&plan.args)?;
+    let mut params = model_params(&plan.args)?;
     let ctx_params = context_params(&plan)?;
+    let nextn_block = if plan.args.nextn {
+        let b = validate::nextn_block(&plan.args, &model_path, &header)?;
+        // the pass reads everything on the host; the device paths (patches 0001-0003) are
+        // built for the trunk's observer only
+        if crate::llama::expert_stats::wanted(params.n_gpu_layers) {
+            bail!(UsageError("--nextn with layers offloaded (-ngl with a GPU or --rpc): not implemented yet; run it with -ngl 0".into()));
+        }
+        params.load_mtp = true;
+        Some(b)
+    } else {
+        None
+    };
     let model = Model::load(&model_path, &params)?;
+    if nextn_block.is_some() && model.n_layer_nextn() != 1 {
+        bail!("--nextn: llama.cpp loaded {} nextn blocks from {}; its MTP graph runs one", model.n_layer_nextn(), model_path.display());
+    }
     let reap = plan.reap_out.as_ref().map(|_| {
         let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n_or_default(), plan.args.trace_tokens.unwrap_or(u64::MAX)));
         ReapState::new(trace)
@@ -298,7 +314,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         observer.overlap = crate::llama::expert_stats::overlap_wanted(defer);
         observer.reap_by_layer = std::env::var("REAP_PARALLEL_LAYERS").map_or(true, |v| v != "0");
     }
+    observer.capture_hidden = nextn_block.is_some();
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
+    let mut nextn = nextn_block.map(|_| nextn::NextnPass::new(&model, &ctx_params)).transpose()?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
     }
@@ -323,7 +341,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     };
     // from here a first SIGINT/SIGTERM stops the run between ubatches, with its outputs written
     let _graceful = crate::interrupt::graceful();
-    let outcome = compute(&plan, &mut ctx, &text, domains.as_ref(), &mut out);
+    let outcome = compute(&plan, &mut ctx, nextn.as_mut(), &text, domains.as_ref(), &mut out);
     // queued checkpoints are consistent states: they go to disk whatever happened
     out.flush(&mut ctx);
     let interrupted = match outcome {
@@ -702,11 +720,12 @@ fn context_params(plan: &Plan) -> Result<ContextParams> {
         type_k: kv_type("-ctk", &plan.args.cache_type_k)?,
         type_v: kv_type("-ctv", &plan.args.cache_type_v)?,
         offload_kqv: !plan.args.no_kv_offload,
+        mtp: false,
     })
 }
 
 /// The chunk loop. Returns the signal and where it stopped the run, when one did.
-fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8], domains: Option<&crate::formats::domains::Domains>, outputs: &mut Outputs) -> Result<Option<(i32, Interruption)>> {
+fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, mut nextn: Option<&mut nextn::NextnPass<'_>>, text: &[u8], domains: Option<&crate::formats::domains::Domains>, outputs: &mut Outputs) -> Result<Option<(i32, Interruption)>> {
     let model = ctx.model();
     let vocab = model.vocab();
     let add_bos = vocab.add_bos();
@@ -813,6 +832,9 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
         let t_start = Instant::now();
         ctx.observer_mut().chunk = i as i32 + 1;
         ctx.clear_memory();
+        if let Some(n) = nextn.as_deref_mut() {
+            n.start_chunk(i as i32 + 1);
+        }
         for j in 0..num_batches {
             let batch_size = (n_ctx - j * n_batch).min(n_batch);
             batch.clear();
@@ -839,6 +861,7 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             let stop = !compute_ppl && !plan.args.process_output && one_ubatch && j + 1 == num_batches;
             ctx.observer_mut().stop_before_logits = stop;
             ctx.observer_mut().stopped_before_logits = false;
+            ctx.observer_mut().hidden.clear();
             let r = ctx.decode_or_stop(&mut batch);
             ctx.observer_mut().finish_ubatch();
             outputs.flush(ctx);
@@ -870,6 +893,11 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, text: &[u8],
             let completed = r.context("failed to eval")?;
             if !completed && !ctx.observer().stopped_before_logits {
                 bail!("failed to eval: the graph was stopped");
+            }
+            if let Some(n) = nextn.as_deref_mut() {
+                let hidden = std::mem::take(&mut ctx.observer_mut().hidden);
+                n.run(&fed, n_seq_batch, batch_size, j * n_batch, &hidden, ctx.observer_mut())?;
+                ctx.observer_mut().hidden = hidden;
             }
             span.note();
             if compute_ppl && num_batches > 1 {

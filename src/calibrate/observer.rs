@@ -37,6 +37,9 @@ pub struct ReapState {
     pub probs_from_logits: bool,
     /// rows handed to the trace writer so far
     pub rows_handed: u64,
+    /// `--nextn`: the nextn blocks' sums, collected by the MTP context's own observer and
+    /// copied here after each of its passes, so every snapshot of the file holds them
+    pub nextn: Vec<crate::formats::saliency::LayerSums>,
 }
 
 pub struct CalibrationObserver {
@@ -107,6 +110,10 @@ pub struct CalibrationObserver {
     /// `--imatrix-on-device` collected some weight on the host (a layer left there): its
     /// counts run the checkpoint rule mid-graph, so the device sums are added every chunk
     pub imatrix_on_host: bool,
+    /// `--nextn`: read the final hidden states (`result_norm`, llama.cpp's `h_nextn`) into
+    /// `hidden`, row after row over the ubatches of a batch: the MTP pass's input
+    pub capture_hidden: bool,
+    pub hidden: Vec<f32>,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -203,6 +210,8 @@ impl CalibrationObserver {
             drains: 0,
             drain_busy: std::time::Duration::ZERO,
             imatrix_on_host: false,
+            capture_hidden: false,
+            hidden: Vec::new(),
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -218,7 +227,8 @@ impl CalibrationObserver {
             // mid-ubatch); a whole run's trace has them all
             trace_tokens_written: r.trace.as_ref().map_or(0, |t| t.rows.min(r.sums.tokens_seen)),
             metadata: Default::default(),
-            layers: r.sums.layers.clone(),
+            layers: r.sums.layers.iter().chain(&r.nextn).cloned().collect(),
+            nextn_blocks: r.nextn.iter().map(|l| l.layer).collect(),
             coverage: None,
             domains: r.sums.domains.as_ref().map_or_else(Vec::new, |d| {
                 d.names
@@ -481,7 +491,7 @@ fn check_ubatch_tokens(batch: &BatchRows, u: usize, node: Node<'_>, scratch: &mu
 
 impl ReapState {
     pub fn new(trace: Option<TraceRows>) -> Self {
-        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, gating_op: None, probs_from_logits: false, rows_handed: 0 }
+        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, gating_op: None, probs_from_logits: false, rows_handed: 0, nextn: Vec::new() }
     }
 
     /// The trace header for what the graph has shown so far (0 rows, flags: normalised gating);
@@ -543,7 +553,7 @@ fn is_reap_node(node: Node<'_>) -> bool {
 
 impl GraphObserver for CalibrationObserver {
     fn wants(&mut self, node: Node<'_>) -> bool {
-        if self.stop_before_logits && node.name() == RESULT_NORM {
+        if (self.stop_before_logits || self.capture_hidden) && node.name() == RESULT_NORM {
             return true;
         }
         // where a signal can stop the run with every collector at a ubatch boundary
@@ -891,6 +901,14 @@ impl CalibrationObserver {
                 return false;
             }
             self.tokens_begun += node.src(1).map_or(0, |s| s.info().ne[0].max(0) as u64);
+        }
+        if self.capture_hidden && node.name() == RESULT_NORM {
+            let t = node.info();
+            if t.ty != sys::GGML_TYPE_F32 || t.nb[0] != 4 || t.nb[1] != 4 * t.ne[0] as usize {
+                return self.fail(format!("{RESULT_NORM} is not a contiguous f32 [n_embd, T] tensor (chunk {})", self.chunk));
+            }
+            let data = node.bytes(&mut self.scratch_a);
+            self.hidden.extend(data.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])));
         }
         if self.stop_before_logits && node.name() == RESULT_NORM {
             self.stopped_before_logits = true;

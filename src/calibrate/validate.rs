@@ -87,6 +87,9 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
     if let (Some(ks), Some(_)) = (h.varying_k(), &a.trace_out) {
         bail!(UsageError(one_k_per_trace(model, &ks)));
     }
+    if a.nextn {
+        nextn_block(a, model, h)?;
+    }
     if let Some(n) = a.trace_top_n {
         if h.is_moe() && n < h.n_expert_used as usize {
             bail!(UsageError(format!(
@@ -105,6 +108,37 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
         }
     }
     Ok(())
+}
+
+/// The architectures whose nextn/MTP graph (`LLM_GRAPH_TYPE_DECODER_MTP` at the pin) `--nextn`
+/// drives: one block, its input the trunk's final hidden state and the token embedding.
+pub const NEXTN_ARCHS: &[&str] = &["glm4moe"];
+
+/// `--nextn`: the model's one nextn block (the block of `blk.N.nextn.eh_proj.weight`), or why not.
+pub fn nextn_block(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader) -> Result<u32> {
+    if a.no_reap {
+        bail!(UsageError("--nextn collects the nextn block's REAP saliency: it cannot go with --no-reap".into()));
+    }
+    if let Some(d) = &a.domains {
+        bail!(UsageError(format!("--nextn with --domains {}: per-domain sums of the nextn block are not collected yet; run them apart", d.display())));
+    }
+    if !NEXTN_ARCHS.contains(&h.arch.as_str()) {
+        bail!(UsageError(format!(
+            "--nextn: {} is {}; the nextn/MTP pass is implemented for {} (llama.cpp's MTP graph at the pin)",
+            model.display(),
+            h.arch,
+            NEXTN_ARCHS.join(", ")
+        )));
+    }
+    let blocks: Vec<u32> = h.tensors.keys().filter_map(|n| n.strip_prefix("blk.")?.strip_suffix(".nextn.eh_proj.weight")?.parse().ok()).collect();
+    match blocks[..] {
+        [b] => Ok(b),
+        [] => bail!(UsageError(format!(
+            "--nextn: {} has no nextn/MTP block with its own tensors (no blk.N.nextn.eh_proj.weight; converted with --no-mtp, or pruned with --drop-nextn?)",
+            model.display()
+        ))),
+        _ => bail!(UsageError(format!("--nextn: {} has {} nextn blocks {blocks:?}; llama.cpp's {} MTP graph runs one", model.display(), blocks.len(), h.arch))),
+    }
 }
 
 /// The architecture whose gate weights the experts' inputs (Llama 4).

@@ -166,9 +166,20 @@ pub struct Saliency {
     pub coverage: Option<Value>,
     /// per-domain sums (`--domains`); empty without
     pub domains: Vec<DomainSums>,
+    /// the layers that are nextn/MTP blocks (`--nextn`: their own pass, llama.cpp's MTP graph
+    /// fed with the trunk's hidden states); they come last in `layers`, are not in the
+    /// imatrix or the trace, and count their own `tokens`. Empty without `--nextn`.
+    pub nextn_blocks: Vec<u32>,
 }
 
 impl Saliency {
+    /// The trunk's layers: all but the nextn blocks (which come last), the ones the imatrix
+    /// and the trace hold.
+    pub fn trunk(&self) -> &[LayerSums] {
+        let n = self.layers.iter().rev().take_while(|l| self.nextn_blocks.contains(&l.layer)).count();
+        &self.layers[..self.layers.len() - n]
+    }
+
     pub fn routing(&self) -> Routing {
         let r = self.metadata.get("routing");
         let str_of = |k: &str| r.and_then(|r| r.get(k)).and_then(Value::as_str).map(String::from);
@@ -219,6 +230,9 @@ impl Saliency {
         if let Some(c) = &self.coverage {
             v["coverage"] = c.clone();
         }
+        if !self.nextn_blocks.is_empty() {
+            v["nextn_blocks"] = json!(self.nextn_blocks);
+        }
         if !self.domains.is_empty() {
             v["domains"] = self
                 .domains
@@ -262,6 +276,9 @@ impl Saliency {
         if blocks.windows(2).any(|w| w[0] >= w[1]) {
             return Some(format!("layers {blocks:?} are not in block order, each once"));
         }
+        if !blocks.ends_with(&self.nextn_blocks) {
+            return Some(format!("\"nextn_blocks\" {:?} are not the last of the layers {blocks:?}", self.nextn_blocks));
+        }
         for l in &self.layers {
             if l.n_expert_used > l.n_expert {
                 return Some(format!("layer {}: n_expert_used {} is more than its n_expert {}", l.layer, l.n_expert_used, l.n_expert));
@@ -299,6 +316,13 @@ impl Saliency {
             layers: Vec::with_capacity(layers.len()),
             coverage: v.get("coverage").filter(|c| c.is_object()).cloned(),
             domains: Vec::new(),
+            nextn_blocks: match v.get("nextn_blocks") {
+                None => Vec::new(),
+                Some(b) => b
+                    .as_array()
+                    .and_then(|a| a.iter().map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect::<Option<Vec<u32>>>())
+                    .context("\"nextn_blocks\" is not an array of block indices")?,
+            },
         };
         for (i, l) in layers.iter().enumerate() {
             out.layers.push(layer_from_json(l).with_context(|| format!("layers[{i}]"))?);
@@ -404,7 +428,7 @@ mod tests {
         r.reap_softmax_l2_sum = vec![0.1 + 0.7, 0.0, 2e-300, 1.0 / 7.0];
         r.max_activation = vec![Some(-0.5), None, Some(1e-45), Some(3.25)];
         let d = DomainSums { name: "ja".into(), tokens: 3, layers: vec![DomainLayer { layer: 3, count: vec![1, 0, 2, 0], prob_sum: vec![0.1, 0.0, 1.0 / 3.0, 0.0], reap_l2_sum: vec![0.2, 0.0, 0.7, 0.0] }] };
-        let s = Saliency { tokens: 7, nonfinite_drops: 1, trace_tokens_written: 0, metadata: Map::new(), layers: vec![l], coverage: Some(json!({"chunk_indices": [1, 4]})), domains: vec![d] };
+        let s = Saliency { tokens: 7, nonfinite_drops: 1, trace_tokens_written: 0, metadata: Map::new(), layers: vec![l], coverage: Some(json!({"chunk_indices": [1, 4]})), domains: vec![d], nextn_blocks: vec![3] };
         let text = serde_json::to_string(&s.to_json()).unwrap();
         let back = Saliency::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
         assert_eq!(back, s);

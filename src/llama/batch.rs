@@ -42,6 +42,18 @@ impl Batch {
         self.len += 1;
     }
 
+    /// Adds one token with a hidden state row `h` (an MTP context's input: the trunk's final
+    /// hidden state of the token before; llama.cpp takes it through the token's embedding slot
+    /// and copies it).
+    pub fn add_with_state(&mut self, token: i32, pos: i32, seq: i32, output: bool, h: &[f32]) {
+        self.add(token, pos, seq, output);
+        let idx = self.len as i32 - 1;
+        let e = sys::llama_embd { data: h.as_ptr(), n_rows: 1, n_embd: h.len() };
+        // SAFETY: a live batch; `h` is read (copied) during the call.
+        let ok = unsafe { sys::llama_batch_ext_set_embd_token(self.raw, idx, e) };
+        assert!(ok, "batch: the hidden state of row {idx} ({} values) was refused", h.len());
+    }
+
     pub(crate) fn as_ptr(&mut self) -> *mut sys::llama_batch_ext {
         self.raw
     }

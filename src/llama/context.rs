@@ -23,11 +23,14 @@ pub struct ContextParams {
     pub type_v: Option<sys::ggml_type>,
     /// offload the KQV ops and the KV cache to the GPU (-kvo / -nkvo; default on)
     pub offload_kqv: bool,
+    /// a context that runs the model's nextn/MTP block (`LLAMA_CONTEXT_TYPE_MTP`): each token
+    /// comes with the trunk's hidden state, as llama.cpp's MTP drafting feeds it
+    pub mtp: bool,
 }
 
 impl Default for ContextParams {
     fn default() -> Self {
-        ContextParams { n_ctx: 0, n_batch: 0, n_ubatch: 0, n_seq_max: 1, n_threads: 1, n_threads_batch: 1, flash_attn: -1, type_k: None, type_v: None, offload_kqv: true }
+        ContextParams { n_ctx: 0, n_batch: 0, n_ubatch: 0, n_seq_max: 1, n_threads: 1, n_threads_batch: 1, flash_attn: -1, type_k: None, type_v: None, offload_kqv: true, mtp: false }
     }
 }
 
@@ -56,6 +59,9 @@ impl<'m, O: GraphObserver> Context<'m, O> {
             cp.type_v = t;
         }
         cp.offload_kqv = p.offload_kqv;
+        if p.mtp {
+            cp.ctx_type = sys::LLAMA_CONTEXT_TYPE_MTP;
+        }
         cp.cb_eval = Some(trampoline::<O>);
         cp.cb_eval_user_data = state as *mut c_void;
         log::take_recent_errors();

@@ -24,6 +24,8 @@ pub struct ModelParams {
     pub tensor_split: Vec<f32>,
     /// weight repacking into extra buffer types (--repack / -nr)
     pub use_extra_bufts: bool,
+    /// load the nextn/MTP blocks' own tensors (`--nextn`; llama.cpp skips them by default)
+    pub load_mtp: bool,
 }
 
 impl Default for ModelParams {
@@ -39,6 +41,7 @@ impl Default for ModelParams {
             main_gpu: d.main_gpu,
             tensor_split: Vec::new(),
             use_extra_bufts: d.use_extra_bufts,
+            load_mtp: d.load_mtp,
         }
     }
 }
@@ -76,6 +79,7 @@ impl Model {
         mp.split_mode = params.split_mode;
         mp.main_gpu = params.main_gpu;
         mp.use_extra_bufts = params.use_extra_bufts;
+        mp.load_mtp = params.load_mtp;
         // llama.cpp reads llama_max_devices() floats; the array lives until the load returns
         // SAFETY: a plain query.
         let mut split = vec![0f32; unsafe { sys::llama_max_devices() }];
@@ -111,6 +115,11 @@ impl Model {
 
     pub fn n_layer(&self) -> i32 {
         unsafe { sys::llama_model_n_layer(self.raw) }
+    }
+
+    /// nextn/MTP blocks after the trunk (`<arch>.nextn_predict_layers`; 0 for most models).
+    pub fn n_layer_nextn(&self) -> i32 {
+        unsafe { sys::llama_model_n_layer_nextn(self.raw) }
     }
 
     pub fn n_embd(&self) -> i32 {

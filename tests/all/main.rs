@@ -12,6 +12,7 @@ mod faults;
 mod fixture;
 mod interrupt;
 mod manifest;
+mod nextn;
 mod progress;
 mod prune;
 mod replay;

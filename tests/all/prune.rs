@@ -74,7 +74,7 @@ fn final_ppl(out: &Output) -> f64 {
 
 /// Upstream llama-perplexity's final estimate. `-nr` (no weight repacking): on CPUs with AMX
 /// in some VMs the repacked Q8_0/Q4_0 kernels die with SIGILL, for unpruned models too.
-fn upstream_ppl(model: &Path) -> f64 {
+pub fn upstream_ppl(model: &Path) -> f64 {
     let out = run_ok(
         Command::new(reference_bin("llama-perplexity"))
             .arg("-m")

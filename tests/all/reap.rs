@@ -214,7 +214,7 @@ impl GraphObserver for CaptureFfnInput {
 }
 
 /// An f32 tensor of a GGUF file, read through the gguf C API.
-fn gguf_f32(path: &Path, name: &str) -> (Vec<f32>, [i64; 4]) {
+pub fn gguf_f32(path: &Path, name: &str) -> (Vec<f32>, [i64; 4]) {
     let fname = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
     let tname = std::ffi::CString::new(name).unwrap();
     unsafe {
@@ -234,13 +234,13 @@ fn gguf_f32(path: &Path, name: &str) -> (Vec<f32>, [i64; 4]) {
 }
 
 /// Row `r` of matrix `e` of a `[cols, rows, n_mat]` tensor, times x, in f64.
-fn dot_row(w: &[f32], cols: usize, rows: usize, e: usize, r: usize, x: &[f64]) -> f64 {
+pub fn dot_row(w: &[f32], cols: usize, rows: usize, e: usize, r: usize, x: &[f64]) -> f64 {
     let row = &w[(e * rows + r) * cols..(e * rows + r + 1) * cols];
     row.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum()
 }
 
 /// An f32 tensor of a GGUF file, or None where the model has no tensor of that name.
-fn gguf_f32_opt(path: &Path, name: &str) -> Option<Vec<f32>> {
+pub fn gguf_f32_opt(path: &Path, name: &str) -> Option<Vec<f32>> {
     let fname = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
     let tname = std::ffi::CString::new(name).unwrap();
     unsafe {

@@ -318,9 +318,9 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let trunk: Vec<u32> = blocks.iter().copied().filter(|b| !nextn.contains(b)).collect();
     if !nextn_moe.is_empty() && map.layers.len() == trunk.len() && (map_blocks.is_empty() || map_blocks == trunk) {
         return Err(usage(format!(
-            "--keep-map {}: no entry for the model's nextn/MTP block {nextn_moe:?} (calibration never runs it, so select's maps cover \
-             the trunk {trunk:?} only): pass --drop-nextn to leave the block out (the model as convert_hf_to_gguf.py --no-mtp writes it), or add \
-             {{\"layer\": {}, \"keep\": [...]}} to the map to prune its experts too",
+            "--keep-map {}: no entry for the model's nextn/MTP block {nextn_moe:?} (a plain calibration never runs it, so select's maps cover \
+             the trunk {trunk:?} only): pass --drop-nextn to leave the block out (the model as convert_hf_to_gguf.py --no-mtp writes it), add \
+             {{\"layer\": {}, \"keep\": [...]}} to the map to prune its experts too, or calibrate with --nextn (glm4moe) and select again",
             opts.keep_map.display(),
             nextn_moe[0]
         )));

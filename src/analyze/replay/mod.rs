@@ -362,7 +362,11 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     // ---- keep map
     let km = match &args.keep_map {
         None => None,
-        Some(p) => Some((p, KeepMap::read(p).map_err(|e| usage(format!("--keep-map: {e:#}")))?)),
+        Some(p) => {
+            let mut m = KeepMap::read(p).map_err(|e| usage(format!("--keep-map: {e:#}")))?;
+            without_blocks_after_the_trace(&mut m, &h.layers, p, &mut warnings);
+            Some((p, m))
+        }
     };
     let keep_flags = match &km {
         None => None,
@@ -633,6 +637,21 @@ fn reroute_by(model: &Path, trace: &TraceReader, reap: Option<&Path>) -> Result<
 
 /// Ids must stay below engine::NONE.
 const NONE_LIMIT: usize = engine::NONE as usize;
+
+/// Drops the keep map's trailing entries named for blocks after the trace's last one: a
+/// nextn/MTP block (`--nextn` calibrates it and `select` keeps its experts), which no trace
+/// holds, as the forward pass never runs it. Noted, as `prune --drop-nextn` notes them.
+fn without_blocks_after_the_trace(m: &mut KeepMap, blocks: &[u32], path: &Path, warnings: &mut Vec<String>) {
+    let Some(&last) = blocks.last() else { return };
+    let n = m.layers.iter().rev().take_while(|l| l.layer.is_some_and(|b| b > last)).count();
+    if n == 0 || m.layers.len() - n != blocks.len() {
+        return;
+    }
+    let dropped: Vec<u32> = m.layers.drain(m.layers.len() - n..).filter_map(|l| l.layer).collect();
+    let w = format!("keep map {}: block(s) {dropped:?} come after the trace's last block {last} (a nextn/MTP block, which no trace holds): not replayed", path.display());
+    eprintln!("note: {w}");
+    warnings.push(w);
+}
 
 /// The keep map's survivors as `n_layers × n_expert` flags, checked against the trace.
 fn keep_flags(path: &Path, m: &KeepMap, blocks: &[u32], ne: usize, k: usize, warnings: &mut Vec<String>) -> Result<Vec<bool>> {
