@@ -98,7 +98,7 @@ pub fn check_saliency(s: &Saliency, gating: Gating, top: usize, rep: &mut Report
     }
     for l in &s.layers[s.trunk().len()..] {
         rep.notes.push(format!(
-            "layer {}: a nextn/MTP block, run in its own pass over {} of the {} tokens; not in the imatrix or the trace",
+            "layer {}: a nextn/MTP block, run in its own pass over {} of the {} tokens; not in the trace",
             l.layer, l.tokens, s.tokens
         ));
     }
@@ -282,7 +282,15 @@ fn compare_imatrix(im: &imatrix_file::Loaded, p: &std::path::Path, s: &Saliency,
     let down = |name: &str| name.strip_prefix("blk.")?.strip_suffix(".ffn_down_exps.weight")?.parse::<u32>().ok();
     let mut im_blocks: Vec<u32> = im.entries.keys().filter_map(|n| down(n)).collect();
     im_blocks.sort_unstable();
-    let mut json_blocks: Vec<u32> = s.trunk().iter().map(|l| l.layer).collect();
+    // a nextn block (`--nextn`) has its entries since they were collected; files written
+    // before that hold the trunk's only
+    let nextn = &s.layers[s.trunk().len()..];
+    let (with, without): (Vec<&LayerSums>, Vec<&LayerSums>) = nextn.iter().partition(|l| im_blocks.contains(&l.layer));
+    for l in &without {
+        rep.notes.push(format!("layer {}: a nextn/MTP block without entries in imatrix {} (written before --nextn collected them)", l.layer, p.display()));
+    }
+    let compared: Vec<&LayerSums> = s.trunk().iter().chain(with).collect();
+    let mut json_blocks: Vec<u32> = compared.iter().map(|l| l.layer).collect();
     json_blocks.sort_unstable();
     rep.check(
         im_blocks == json_blocks,
@@ -308,7 +316,7 @@ fn compare_imatrix(im: &imatrix_file::Loaded, p: &std::path::Path, s: &Saliency,
             s.tokens
         ));
     }
-    for l in s.trunk() {
+    for l in compared {
         let name = format!("blk.{}.ffn_down_exps.weight", l.layer);
         let Some(e) = im.entries.get(&name) else {
             rep.check(false, format!("layer {}: imatrix {} has no {name}", l.layer, p.display()));

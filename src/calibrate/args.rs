@@ -159,7 +159,7 @@ pub struct ImatrixArgs {
     pub no_reap: bool,
 
     /// also run the model's nextn/MTP block (GLM-4.5/4.6) as llama.cpp's MTP drafting runs
-    /// it, teacher-forced, and add its REAP saliency to the JSON (docs/formats.md)
+    /// it, teacher-forced, and add its imatrix entries and REAP saliency (docs/formats.md)
     #[arg(long = "nextn", help_heading = "REAP")]
     pub nextn: bool,
 

@@ -316,7 +316,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     }
     observer.capture_hidden = nextn_block.is_some();
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
-    let mut nextn = nextn_block.map(|_| nextn::NextnPass::new(&model, &ctx_params)).transpose()?;
+    let mut nextn = nextn_block.map(|b| nextn::NextnPass::new(&model, &ctx_params, b, ctx.observer())).transpose()?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
     }
@@ -864,7 +864,10 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, mut nextn: O
             ctx.observer_mut().hidden.clear();
             let r = ctx.decode_or_stop(&mut batch);
             ctx.observer_mut().finish_ubatch();
-            outputs.flush(ctx);
+            // with --nextn, the checkpoints of this batch wait for the block's pass (below)
+            if nextn.is_none() || ctx.observer().interrupted {
+                outputs.flush(ctx);
+            }
             if let Some(e) = outputs.writer.failure() {
                 return Err(e.into());
             }
@@ -898,6 +901,10 @@ fn compute(plan: &Plan, ctx: &mut Context<'_, CalibrationObserver>, mut nextn: O
                 let hidden = std::mem::take(&mut ctx.observer_mut().hidden);
                 n.run(&fed, n_seq_batch, batch_size, j * n_batch, &hidden, ctx.observer_mut())?;
                 ctx.observer_mut().hidden = hidden;
+                outputs.flush(ctx);
+                if let Some(e) = outputs.writer.failure() {
+                    return Err(e.into());
+                }
             }
             span.note();
             if compute_ppl && num_batches > 1 {

@@ -9,9 +9,13 @@
 //! h_{p−1}, as when it drafts t_{p+1}. Every token of a chunk is fed (none is an output: the
 //! drafter's head is not computed), the MTP cache cleared with the trunk's at each chunk.
 //!
-//! Its own observer collects REAP only (no imatrix entries, no trace rows); after each pass
-//! the block's sums are copied into the main observer, so every snapshot of the saliency file
-//! holds them, listed in `"nextn_blocks"`.
+//! Its own observer collects the block's imatrix entries (upstream's collector, on the MTP
+//! graph's matmuls: `blk.N.nextn.eh_proj`, attention, router, experts, shared expert) and its
+//! REAP sums (no trace rows). After each pass both are copied into the main observer, and into
+//! the checkpoints the trunk queued during the batch, so every file written holds the block
+//! as of the same batch as the trunk: `llama-quantize` then finds entries for the block's
+//! tensors (a very-low-bit type refuses a tensor without one), and the JSON lists the block
+//! in `"nextn_blocks"`. The trunk's entries are never touched.
 
 use super::observer::{CalibrationObserver, ReapState};
 use crate::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig};
@@ -22,21 +26,28 @@ pub struct NextnPass<'m> {
     ctx: Context<'m, CalibrationObserver>,
     batch: Batch,
     n_embd: usize,
+    /// `blk.N.`: the names of the block's imatrix entries begin so
+    prefix: String,
     /// per sequence: the trunk's hidden state of the last token fed so far
     pending: Vec<Vec<f32>>,
 }
 
 impl<'m> NextnPass<'m> {
-    pub fn new(model: &'m Model, trunk: &ContextParams) -> Result<Self> {
-        // routing only: the imatrix collector is required by the observer but switched off
-        let imatrix = ImatrixCollector::new(ImatrixConfig { chunk_size: 1, out_freq: i32::MAX, save_freq: 0, process_output: false }, Imatrix::default());
-        let mut obs = CalibrationObserver::new(imatrix, Some(ReapState::new(None)));
-        obs.collect_imatrix = false;
+    /// `main` is the trunk's observer: an `--in-file` merged into it may hold entries of the
+    /// block already, which this pass goes on adding to (as the trunk's own go on).
+    pub fn new(model: &'m Model, trunk: &ContextParams, block: u32, main: &CalibrationObserver) -> Result<Self> {
+        let prefix = format!("blk.{block}.");
+        let mut state = Imatrix::default();
+        state.stats.extend(main.imatrix.state.stats.iter().filter(|(n, _)| n.starts_with(&prefix)).map(|(n, s)| (n.clone(), s.clone())));
+        // upstream's accumulation; the checkpoints are the trunk's (this collector never saves)
+        let cfg = ImatrixConfig { chunk_size: main.imatrix.cfg.chunk_size, out_freq: i32::MAX, save_freq: 0, process_output: false };
+        let reap = main.reap.as_ref().map(|_| ReapState::new(None));
+        let obs = CalibrationObserver::new(ImatrixCollector::new(cfg, state), reap);
         let p = ContextParams { mtp: true, ..trunk.clone() };
         let ctx = Context::new(model, &p, obs).map_err(|e| anyhow::anyhow!("--nextn: the MTP context: {e:#}"))?;
         let batch = ctx.batch();
         let n_embd = model.n_embd() as usize;
-        Ok(NextnPass { ctx, batch, n_embd, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize] })
+        Ok(NextnPass { ctx, batch, n_embd, prefix, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize] })
     }
 
     /// A new batch of chunks: the MTP cache cleared, every sequence at the drafter's start.
@@ -50,8 +61,11 @@ impl<'m> NextnPass<'m> {
 
     /// Runs the block over one batch the trunk has just computed: `fed` holds its tokens,
     /// sequence after sequence, `len` per sequence from position `pos0`, and `hidden` the
-    /// trunk's final hidden states of those tokens in the same order. Copies the block's sums
-    /// into `main`.
+    /// trunk's final hidden states of those tokens in the same order. Copies the block's
+    /// imatrix entries and sums into `main` and its queued checkpoints. A signal does not stop
+    /// it: the MTP graph has no `inp_tokens` node, where the observer looks for one, so the
+    /// trunk notices the signal at its next ubatch, and the block has every batch the trunk
+    /// finished (a trunk stopped inside a batch of several ubatches keeps those, the block not).
     pub fn run(&mut self, fed: &[i32], n_seq: usize, len: usize, pos0: usize, hidden: &[f32], main: &mut CalibrationObserver) -> Result<()> {
         let e = self.n_embd;
         if fed.len() != n_seq * len || hidden.len() != fed.len() * e {
@@ -73,18 +87,47 @@ impl<'m> NextnPass<'m> {
             self.pending[seq].copy_from_slice(&hidden[last * e..(last + 1) * e]);
         }
         let done = self.ctx.decode_or_stop(&mut self.batch);
-        if let Some(f) = self.ctx.observer_mut().failure.take() {
+        let obs = self.ctx.observer_mut();
+        if let Some(f) = obs.failure.take() {
             bail!("--nextn: {f}");
+        }
+        if let Some(t) = obs.imatrix.error.take() {
+            bail!("--nextn: the imatrix sums of {} are not finite (chunk {})", t.tensor, main.chunk);
         }
         if !done? {
             bail!("--nextn: the MTP graph was stopped (chunk {})", main.chunk);
         }
-        let sums = &self.ctx.observer().reap.as_ref().expect("the pass collects REAP").sums.layers;
-        if sums.is_empty() {
-            bail!("--nextn: the MTP graph has no MoE layer the collector recognised (chunk {})", main.chunk);
+        let obs = self.ctx.observer();
+        if let Some(other) = obs.imatrix.state.stats.keys().find(|n| !n.starts_with(&self.prefix)) {
+            // never added to the trunk's entry of that name: the trunk's file stays upstream's
+            bail!("--nextn: the MTP graph multiplies by {other}, which is not the nextn block's ({}*); its imatrix entry would mix with the trunk's", self.prefix);
         }
-        if let Some(r) = main.reap.as_mut() {
+        if obs.imatrix.state.stats.is_empty() {
+            bail!("--nextn: the MTP graph has no matmul the imatrix collector recognised (chunk {})", main.chunk);
+        }
+        let sums = match &obs.reap {
+            Some(r) if r.sums.layers.is_empty() => bail!("--nextn: the MTP graph has no MoE layer the collector recognised (chunk {})", main.chunk),
+            Some(r) => Some(&r.sums.layers),
+            None => None,
+        };
+        let stats = &obs.imatrix.state.stats;
+        for (name, s) in stats {
+            main.imatrix.state.stats.entry(name.clone()).or_default().clone_from(s);
+        }
+        if let (Some(r), Some(sums)) = (main.reap.as_mut(), sums) {
             r.nextn.clone_from(sums);
+        }
+        // the trunk's checkpoints of this batch were taken mid-graph, before this pass ran
+        for c in &mut main.checkpoints {
+            for (name, s) in stats {
+                c.imatrix.state.stats.insert(name.clone(), s.clone());
+            }
+            if let (Some(j), Some(sums)) = (c.reap.as_mut(), sums) {
+                let trunk = j.trunk().len();
+                j.layers.truncate(trunk);
+                j.layers.extend(sums.iter().cloned());
+                j.nextn_blocks = sums.iter().map(|l| l.layer).collect();
+            }
         }
         Ok(())
     }

@@ -116,9 +116,6 @@ pub const NEXTN_ARCHS: &[&str] = &["glm4moe"];
 
 /// `--nextn`: the model's one nextn block (the block of `blk.N.nextn.eh_proj.weight`), or why not.
 pub fn nextn_block(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader) -> Result<u32> {
-    if a.no_reap {
-        bail!(UsageError("--nextn collects the nextn block's REAP saliency: it cannot go with --no-reap".into()));
-    }
     if let Some(d) = &a.domains {
         bail!(UsageError(format!("--nextn with --domains {}: per-domain sums of the nextn block are not collected yet; run them apart", d.display())));
     }

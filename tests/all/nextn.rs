@@ -5,6 +5,7 @@
 
 use super::reap::{dot_row, gguf_f32};
 use super::util::*;
+use reap_imatrix::formats::imatrix;
 use reap_imatrix::formats::saliency::Saliency;
 use reap_imatrix::llama::{Context, ContextParams, GraphObserver, Model, ModelParams, Node};
 use std::path::Path;
@@ -62,16 +63,38 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // f32 weights: the GGUF holds exactly what the graph multiplies by; blocks 0 (dense), 1, 2 (nextn)
     run_ok(Command::new(ours()).args(["fixture", "--arch", "glm4moe", "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path));
     let (n_ctx, n_batch, n_chunk) = (64usize, 32usize, 2usize);
-    let flags = ["-c", "64", "-b", "32", "--chunks", "2", "--trace-out", "t.bin"];
+    // .at_N copies every chunk: a checkpoint holds the block as of the trunk's batch
+    let flags = ["-c", "64", "-b", "32", "--chunks", "2", "--trace-out", "t.bin", "--save-frequency", "1"];
     std::fs::create_dir_all(d.join("plain")).unwrap();
     std::fs::create_dir_all(d.join("nextn")).unwrap();
     let plain = calibrate(&d.join("plain"), &model_path, &flags);
     assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
     let out = calibrate(&d.join("nextn"), &model_path, &[&flags[..], &["--nextn"]].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    // the trunk's files are the run's without --nextn: imatrix and trace byte for byte, its layers' sums
-    assert_same_bytes(&d.join("plain/i.gguf"), &d.join("nextn/i.gguf"));
+    // the trunk's files are the run's without --nextn: the trace byte for byte, every imatrix
+    // entry bit for bit (the block's entries come on top), its layers' sums
     assert_same_bytes(&d.join("plain/t.bin"), &d.join("nextn/t.bin"));
+    let block_entries = |plain: &str, with: &str| {
+        let (a, b) = (imatrix::load(&d.join(plain)).unwrap(), imatrix::load(&d.join(with)).unwrap());
+        assert_eq!((a.chunk_count, a.chunk_size, &a.datasets), (b.chunk_count, b.chunk_size, &b.datasets), "{with}");
+        for (name, e) in &a.entries {
+            let f = &b.entries[name];
+            assert!(e.counts == f.counts && e.sums.iter().map(|v| v.to_bits()).eq(f.sums.iter().map(|v| v.to_bits())), "{with}: {name} differs from the run without --nextn");
+        }
+        let mut b = b.entries;
+        b.retain(|n, _| !a.entries.contains_key(n));
+        assert!(b.keys().all(|n| n.starts_with("blk.2.")), "{with}: {:?}", b.keys().collect::<Vec<_>>());
+        b
+    };
+    // --no-reap: the imatrix alone, the same bytes
+    std::fs::create_dir_all(d.join("no-reap")).unwrap();
+    let out = calibrate(&d.join("no-reap"), &model_path, &["-c", "64", "-b", "32", "--chunks", "2", "--nextn", "--no-reap"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_same_bytes(&d.join("nextn/i.gguf"), &d.join("no-reap/i.gguf"));
+    assert!(!d.join("no-reap/i.reap.json").exists());
+    let at1 = block_entries("plain/i.gguf.at_1", "nextn/i.gguf.at_1");
+    assert_eq!(at1["blk.2.ffn_gate_inp.weight"].counts, vec![n_ctx as i64], "the first chunk's checkpoint holds the block's whole chunk");
+    let entries = block_entries("plain/i.gguf", "nextn/i.gguf");
     let a = Saliency::read(&d.join("plain/i.reap.json")).unwrap();
     let s = Saliency::read(&d.join("nextn/i.reap.json")).unwrap();
     assert_eq!(s.nextn_blocks, vec![2]);
@@ -93,6 +116,7 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     let mut mtp = Context::new(&model, &ContextParams { mtp: true, ..p.clone() }, obs).unwrap();
     let n_embd = model.n_embd() as usize;
     let mut fed_h: Vec<f32> = Vec::new();
+    let mut fed_t: Vec<usize> = Vec::new();
     for c in 0..n_chunk {
         trunk.clear_memory();
         mtp.clear_memory();
@@ -112,6 +136,7 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
                 // token p with the trunk's state at p − 1
                 m.add_with_state(chunk[j * n_batch + i], (j * n_batch + i) as i32, 0, false, &prev);
                 fed_h.extend_from_slice(&prev);
+                fed_t.push(chunk[j * n_batch + i] as usize);
                 prev.copy_from_slice(&hidden[i * n_embd..(i + 1) * n_embd]);
             }
             mtp.decode(&mut m).unwrap();
@@ -142,8 +167,15 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_exps.weight")).1[1] as usize;
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
+    // the imatrix's Σx² of the block's matmul inputs: the router's input x (router, experts'
+    // gate and up, shared expert's gate and up), per expert the SwiGLU the down projection reads
+    let mut x_sq = vec![0f64; n_embd];
+    let (mut x_sq_e, mut h_sq_e) = (vec![0f64; n_expert * n_embd], vec![0f64; n_expert * n_ff]);
     for t in 0..rows {
         let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
+        for (a, v) in x_sq.iter_mut().zip(&x) {
+            *a += v * v;
+        }
         let probs: Vec<f64> = (0..n_expert).map(|e| 1.0 / (1.0 + (-dot_row(&router, n_embd, n_expert, 0, e, &x)).exp())).collect();
         let mut order: Vec<usize> = (0..n_expert).collect();
         order.sort_by(|&a, &b| (probs[b] + sel_b[b] as f64).total_cmp(&(probs[a] + sel_b[a] as f64)));
@@ -157,6 +189,12 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
                 })
                 .collect();
             let norm = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h).powi(2)).sum::<f64>().sqrt();
+            for j in 0..n_embd {
+                x_sq_e[e * n_embd + j] += x[j] * x[j];
+            }
+            for i in 0..n_ff {
+                h_sq_e[e * n_ff + i] += h[i] * h[i];
+            }
             count[e] += 1;
             reap[e] += probs[e] / wsum * norm;
             ean[e] += norm;
@@ -172,11 +210,66 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
         assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
     }
 
-    // check: every invariant, the trunk against the imatrix and the trace, the block noted
+    // the block's imatrix entries against the same tokens and states, recomputed in f64
+    let token_embd = gguf_f32(&model_path, "token_embd.weight").0;
+    let rms = |v: &[f64], w: &[f32]| {
+        let s = (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + 1e-6).sqrt();
+        v.iter().zip(w).map(|(a, &g)| a / s * g as f64).collect::<Vec<f64>>()
+    };
+    let (enorm, hnorm, eh, attn_norm) = (w("nextn.enorm.weight"), hw.clone(), w("nextn.eh_proj.weight"), w("attn_norm.weight"));
+    let (sh_gate, sh_up) = (w("ffn_gate_shexp.weight"), w("ffn_up_shexp.weight"));
+    let n_sh = sh_gate.len() / n_embd;
+    let (mut cat_sq, mut attn_sq, mut sh_sq) = (vec![0f64; 2 * n_embd], vec![0f64; n_embd], vec![0f64; n_sh]);
+    for r in 0..rows {
+        let e: Vec<f64> = token_embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd].iter().map(|&v| v as f64).collect();
+        let h: Vec<f64> = fed_h[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
+        // eh_proj reads [enorm(embedding); hnorm(state)], attention its result normed
+        let cat: Vec<f64> = rms(&e, &enorm).into_iter().chain(rms(&h, &hnorm)).collect();
+        let y: Vec<f64> = (0..n_embd).map(|o| dot_row(&eh, 2 * n_embd, n_embd, 0, o, &cat)).collect();
+        for (a, v) in cat_sq.iter_mut().zip(&cat).chain(attn_sq.iter_mut().zip(&rms(&y, &attn_norm))) {
+            *a += v * v;
+        }
+        let x: Vec<f64> = cap.x[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
+        for (i, a) in sh_sq.iter_mut().enumerate() {
+            let (g, u) = (dot_row(&sh_gate, n_embd, n_sh, 0, i, &x), dot_row(&sh_up, n_embd, n_sh, 0, i, &x));
+            *a += (g / (1.0 + (-g).exp()) * u).powi(2);
+        }
+    }
+    let routed: Vec<i64> = count.iter().map(|&c| c as i64).collect();
+    let all = vec![rows as i64];
+    let want: [(&str, &[f64], &[i64]); 11] = [
+        ("ffn_gate_inp", &x_sq, &all),
+        ("ffn_gate_shexp", &x_sq, &all),
+        ("ffn_up_shexp", &x_sq, &all),
+        ("ffn_down_shexp", &sh_sq, &all),
+        ("ffn_gate_exps", &x_sq_e, &routed),
+        ("ffn_up_exps", &x_sq_e, &routed),
+        ("ffn_down_exps", &h_sq_e, &routed),
+        ("nextn.eh_proj", &cat_sq, &all),
+        ("attn_q", &attn_sq, &all),
+        ("attn_k", &attn_sq, &all),
+        ("attn_v", &attn_sq, &all),
+    ];
+    for (weight, sums, counts) in want {
+        let name = format!("blk.{block}.{weight}.weight");
+        let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
+        assert_eq!(got.counts, counts, "{name}: counts");
+        assert_eq!(got.sums.len(), sums.len(), "{name}: columns");
+        let scale = sums.iter().sum::<f64>() / sums.len() as f64;
+        for (j, (&a, &b)) in got.sums.iter().zip(sums).enumerate() {
+            assert!((a as f64 - b).abs() <= 1e-4 * b.abs() + 1e-6 * scale, "{name} column {j}: Σx² {a}, independent {b}");
+        }
+    }
+    // and attn_output, whose input is the attention's result: one count per token fed
+    assert_eq!(entries.len(), 12, "{:?}", entries.keys().collect::<Vec<_>>());
+    assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
+
+    // check: every invariant, the trunk and the block against the imatrix, the trunk against the trace
     let c = run(Command::new(ours()).current_dir(d.join("nextn")).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
     let text = String::from_utf8_lossy(&c.stdout);
     assert!(c.status.success(), "{text}");
     assert!(text.contains("layer 2: a nextn/MTP block"), "{text}");
+    assert!(text.contains("[ok] layer 2: count equals the imatrix counts of blk.2.ffn_down_exps.weight"), "{text}");
 }
 
 /// The whole path with the block in the files: `select` keeps K of its experts like any
@@ -219,8 +312,94 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     assert!(err.contains("[4] come after the trace's last block 3"), "{err}");
 }
 
+/// What the block's imatrix entries are for: a very-low-bit type (IQ2_XXS) needs an entry for
+/// every tensor it quantizes, and upstream llama-quantize stops at the nextn block's first
+/// tensor without one ("Missing importance matrix ... bailing out"). The imatrix of a run with
+/// `--nextn` quantizes the model, and, sliced by `prune --imatrix`, its pruned copy; both run
+/// in upstream llama-perplexity.
+#[test]
+fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
+    let d = temp_dir("nextn-iq2");
+    // rows 256 wide (IQ2_XXS's block), so no tensor falls back to a type that needs no imatrix
+    let model = fixture_with(
+        "glm4moe-256",
+        &["--arch", "glm4moe", "--layers", "2", "--n-embd", "256", "--expert-ffn", "256", "--shared-ffn", "256", "--heads", "4", "--head-dim", "64"],
+    );
+    let calib = ["-c", "128", "-b", "128", "--chunks", "2"];
+    let plain = calibrate(&d, &model, &[&calib[..], &["-o", "plain.gguf", "--no-reap"]].concat());
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    let out = calibrate(&d, &model, &[&calib[..], &["--nextn"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let quantize = |imatrix: &str, m: &Path, q: &str| run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", imatrix]).arg(m).args([q, "IQ2_XXS", "2"]));
+
+    let refused = quantize("plain.gguf", &model, "plain-iq2.gguf");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("Missing importance matrix for tensor blk.2."), "{err}");
+    let q = quantize("i.gguf", &model, "iq2.gguf");
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    assert!(super::prune::upstream_ppl(&d.join("iq2.gguf")).is_finite());
+
+    run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "i.reap.json", "--method", "reap_mean", "--k", "16", "--out-dir", "maps"]));
+    run_ok(Command::new(ours()).current_dir(&d).args(["prune", "-m"]).arg(&model).args(["--keep-map", "maps/keep_reap_mean_k16.json", "-o", "p.gguf", "--imatrix", "i.gguf", "--imatrix-out", "p.imatrix.gguf"]));
+    let q = quantize("p.imatrix.gguf", &d.join("p.gguf"), "p-iq2.gguf");
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    assert!(super::prune::upstream_ppl(&d.join("p-iq2.gguf")).is_finite());
+}
+
+/// `--in-file` with `--nextn`: the block's entries of the merged file are added to, as the
+/// trunk's are: chunk 1, then chunk 2 on top of its file, counts as one run over both chunks
+/// and sums equal up to the order of the float additions.
+#[test]
+fn an_in_file_merge_adds_to_the_blocks_entries() {
+    let d = temp_dir("nextn-in-file");
+    let model = fixture("glm4moe");
+    let c = ["-c", "64", "-b", "64", "--nextn", "--no-reap"];
+    for extra in [&["--chunks", "1", "-o", "a.gguf"][..], &["--chunks", "1", "--chunk", "1", "--in-file", "a.gguf", "-o", "b.gguf"], &["--chunks", "2", "-o", "c.gguf"]] {
+        let out = calibrate(&d, &model, &[&c[..], extra].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let (a, b, c) = (imatrix::load(&d.join("a.gguf")).unwrap(), imatrix::load(&d.join("b.gguf")).unwrap(), imatrix::load(&d.join("c.gguf")).unwrap());
+    assert_eq!(a.entries["blk.4.ffn_gate_inp.weight"].counts, vec![64]);
+    assert_eq!(b.entries.keys().collect::<Vec<_>>(), c.entries.keys().collect::<Vec<_>>());
+    for (name, e) in &c.entries {
+        let f = &b.entries[name];
+        assert_eq!(f.counts, e.counts, "{name}");
+        for (x, y) in f.sums.iter().zip(&e.sums) {
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(y.abs()), "{name}: {x} merged, {y} in one run");
+        }
+    }
+}
+
+/// A signal stops a `--nextn` run at the trunk's next ubatch, never inside the block's pass
+/// (the MTP graph has no node where the observer looks for a signal): the block then holds
+/// every batch the trunk finished, and the files agree with each other, the block's imatrix
+/// entries with its sums included.
+#[test]
+fn a_signal_leaves_the_block_with_every_batch_the_trunk_finished() {
+    let d = temp_dir("nextn-interrupt");
+    // two ubatches per batch, so the signal can land inside one
+    let mut c = Command::new(ours());
+    c.current_dir(&d).arg("-m").arg(fixture("glm4moe")).arg("-f").arg(corpus());
+    c.args(["-t", "1", "--no-ppl", "-o", "i.gguf", "-c", "128", "-b", "128", "-ub", "64", "-ofreq", "2", "--nextn"]);
+    let mut child = default_signals(&mut c).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    wait_for_file(&mut child, &d.join("i.reap.json"));
+    signal(&child, libc::SIGINT);
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    let m = reap_imatrix::formats::manifest::Manifest::read(&d.join("i.manifest.json")).unwrap();
+    let tokens = m.interrupted.expect("the manifest records the interruption").tokens;
+    let s = Saliency::read(&d.join("i.reap.json")).unwrap();
+    let block = s.layers.last().unwrap();
+    assert_eq!((s.tokens, block.layer, block.tokens), (tokens, 4, tokens / 128 * 128), "{err}");
+    let im = imatrix::load(&d.join("i.gguf")).unwrap();
+    assert_eq!(im.entries["blk.4.ffn_gate_inp.weight"].counts, vec![block.tokens as i64]);
+    let c = run(Command::new(ours()).current_dir(&d).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf"]));
+    assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stdout));
+}
+
 /// What `--nextn` refuses, before the model loads: a model without the block's NextN tensors,
-/// an architecture whose MTP graph it does not drive, `--no-reap`, `--domains`.
+/// an architecture whose MTP graph it does not drive, `--domains`.
 #[test]
 fn nextn_refuses_what_it_cannot_run() {
     let d = temp_dir("nextn-refused");
@@ -232,7 +411,6 @@ fn nextn_refuses_what_it_cannot_run() {
         assert!(!d.join("i.gguf").exists());
     };
     refused(&fixture("qwen3moe"), &[], "is qwen3moe; the nextn/MTP pass is implemented for glm4moe");
-    refused(&fixture("glm4moe"), &["--no-reap"], "cannot go with --no-reap");
     refused(&fixture("glm4moe"), &["--domains", "x.tsv"], "--domains x.tsv");
     // pruned with --drop-nextn: no block left
     let map = d.join("all.json");
