@@ -259,11 +259,6 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     let ctx_params = context_params(&plan)?;
     let nextn_block = if plan.args.nextn {
         let b = validate::nextn_block(&plan.args, &model_path, &header)?;
-        // the pass reads everything on the host; the device paths (patches 0001-0003) are
-        // built for the trunk's observer only
-        if crate::llama::expert_stats::wanted(params.n_gpu_layers) {
-            bail!(UsageError("--nextn with layers offloaded (-ngl with a GPU or --rpc): not implemented yet; run it with -ngl 0".into()));
-        }
         params.load_mtp = true;
         Some(b)
     } else {

@@ -11,11 +11,11 @@
 //!
 //! Its own observer collects the block's imatrix entries (upstream's collector, on the MTP
 //! graph's matmuls: `blk.N.nextn.eh_proj`, attention, router, experts, shared expert) and its
-//! REAP sums (no trace rows). After each pass both are copied into the main observer, and into
-//! the checkpoints the trunk queued during the batch, so every file written holds the block
-//! as of the same batch as the trunk: `llama-quantize` then finds entries for the block's
-//! tensors (a very-low-bit type refuses a tensor without one), and the JSON lists the block
-//! in `"nextn_blocks"`. The trunk's entries are never touched.
+//! REAP sums (no trace rows). After each pass both are copied into the main observer, and the
+//! entries into the imatrix of the checkpoints the trunk queued during the batch: `llama-quantize`
+//! then finds entries for the block's tensors (a very-low-bit type refuses a tensor without
+//! one), and the JSON lists the block in `"nextn_blocks"`. The trunk's entries are never
+//! touched.
 
 use super::observer::{CalibrationObserver, ReapState};
 use crate::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig};
@@ -42,7 +42,23 @@ impl<'m> NextnPass<'m> {
         // upstream's accumulation; the checkpoints are the trunk's (this collector never saves)
         let cfg = ImatrixConfig { chunk_size: main.imatrix.cfg.chunk_size, out_freq: i32::MAX, save_freq: 0, process_output: false };
         let reap = main.reap.as_ref().map(|_| ReapState::new(None));
-        let obs = CalibrationObserver::new(ImatrixCollector::new(cfg, state), reap);
+        let mut obs = CalibrationObserver::new(ImatrixCollector::new(cfg, state), reap);
+        // offloaded (-ngl with a GPU or --rpc), the patches' switches are process-wide, so the
+        // MTP graph has the trunk's extra nodes: read it as the trunk's observer reads its graph
+        obs.expert_stats_on_device = main.expert_stats_on_device;
+        obs.defer = main.defer;
+        obs.router_on_device = main.router_on_device;
+        obs.router_candidates = main.router_candidates;
+        if main.prefetch.is_some() {
+            obs.prefetch = Some(crate::llama::prefetch::Prefetcher::new());
+        }
+        if main.reducer.is_some() {
+            // --imatrix-on-device: the block's sums are copied after each of its passes
+            obs.reducer = Some(crate::llama::reduce::DeviceReducer::default());
+        }
+        if let Some(p) = &main.imatrix.pool {
+            obs.imatrix.pool = Some(crate::collect::pool::Pool::new(p.threads()));
+        }
         let p = ContextParams { mtp: true, ..trunk.clone() };
         let ctx = Context::new(model, &p, obs).map_err(|e| anyhow::anyhow!("--nextn: the MTP context: {e:#}"))?;
         let batch = ctx.batch();
@@ -62,7 +78,8 @@ impl<'m> NextnPass<'m> {
     /// Runs the block over one batch the trunk has just computed: `fed` holds its tokens,
     /// sequence after sequence, `len` per sequence from position `pos0`, and `hidden` the
     /// trunk's final hidden states of those tokens in the same order. Copies the block's
-    /// imatrix entries and sums into `main` and its queued checkpoints. A signal does not stop
+    /// imatrix entries and sums into `main`, and the entries into the imatrix of its queued
+    /// checkpoints. A signal does not stop
     /// it: the MTP graph has no `inp_tokens` node, where the observer looks for one, so the
     /// trunk notices the signal at its next ubatch, and the block has every batch the trunk
     /// finished (a trunk stopped inside a batch of several ubatches keeps those, the block not).
@@ -88,6 +105,10 @@ impl<'m> NextnPass<'m> {
         }
         let done = self.ctx.decode_or_stop(&mut self.batch);
         let obs = self.ctx.observer_mut();
+        obs.finish_ubatch();
+        if done.is_ok() {
+            obs.flush_device_imatrix();
+        }
         if let Some(f) = obs.failure.take() {
             bail!("--nextn: {f}");
         }
@@ -117,16 +138,14 @@ impl<'m> NextnPass<'m> {
         if let (Some(r), Some(sums)) = (main.reap.as_mut(), sums) {
             r.nextn.clone_from(sums);
         }
-        // the trunk's checkpoints of this batch were taken mid-graph, before this pass ran
+        // The trunk's checkpoints of this batch were taken inside its graph, before this pass
+        // ran. Their imatrix gets the block's entries of the whole batch: upstream labels such a
+        // file with the chunk the batch completes. Their JSON keeps the block as of the batch
+        // before: it is a snapshot of the trunk's sums from before the ubatch that wrote it,
+        // and the block must not count tokens the JSON does not.
         for c in &mut main.checkpoints {
             for (name, s) in stats {
                 c.imatrix.state.stats.insert(name.clone(), s.clone());
-            }
-            if let (Some(j), Some(sums)) = (c.reap.as_mut(), sums) {
-                let trunk = j.trunk().len();
-                j.layers.truncate(trunk);
-                j.layers.extend(sums.iter().cloned());
-                j.nextn_blocks = sums.iter().map(|l| l.layer).collect();
             }
         }
         Ok(())

@@ -346,6 +346,73 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
     assert!(super::prune::upstream_ppl(&d.join("p-iq2.gguf")).is_finite());
 }
 
+/// `--nextn` with the layers offloaded (`-ngl 99` to a local `ggml-rpc-server`, as on a GPU:
+/// the MTP graph then has the trunk's device-side nodes, patches 0001-0003): the imatrix is
+/// the CPU run's byte for byte, the block's entries included; the block's sums agree with the
+/// CPU's (norms on the device in f32); with `--imatrix-on-device` the same counts and sums to
+/// f32 rounding; `check` passes on each.
+#[test]
+fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
+    let server = RpcServer::start();
+    let d = temp_dir("nextn-rpc");
+    let model = fixture("glm4moe");
+    let go = |dir: &str, extra: &[&str]| {
+        std::fs::create_dir_all(d.join(dir)).unwrap();
+        let out = calibrate(&d.join(dir), &model, &[&["-c", "128", "-b", "128", "--chunks", "4", "--nextn"][..], extra].concat());
+        assert!(out.status.success(), "{dir}: {}", String::from_utf8_lossy(&out.stderr));
+        let c = run(Command::new(ours()).current_dir(d.join(dir)).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf"]));
+        assert!(c.status.success(), "{dir}: {}", String::from_utf8_lossy(&c.stdout));
+        (imatrix::load(&d.join(dir).join("i.gguf")).unwrap(), Saliency::read(&d.join(dir).join("i.reap.json")).unwrap())
+    };
+    let (cpu, cpu_s) = go("cpu", &[]);
+    let rpc = ["-ngl", "99", "--rpc", &server.endpoint];
+    let (_, off_s) = go("rpc", &rpc);
+    assert_same_bytes(&d.join("cpu/i.gguf"), &d.join("rpc/i.gguf"));
+    assert!(cpu.entries.contains_key("blk.4.nextn.eh_proj.weight"));
+    let (a, b) = (cpu_s.layers.last().unwrap(), off_s.layers.last().unwrap());
+    assert_eq!((a.layer, &a.count, a.tokens), (b.layer, &b.count, b.tokens));
+    for (x, y) in a.reap_l2_sum.iter().zip(&b.reap_l2_sum).chain(a.ean_sum.iter().zip(&b.ean_sum)) {
+        assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-9), "the block's sums: {x} on the CPU, {y} off-host");
+    }
+    let (dev, _) = go("on-device", &[&rpc[..], &["--imatrix-on-device"]].concat());
+    assert_eq!(dev.entries.keys().collect::<Vec<_>>(), cpu.entries.keys().collect::<Vec<_>>());
+    for (name, e) in &cpu.entries {
+        let f = &dev.entries[name];
+        assert_eq!(f.counts, e.counts, "{name}");
+        for (x, y) in e.sums.iter().zip(&f.sums) {
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(y.abs()), "{name}: {x} exact, {y} --imatrix-on-device");
+        }
+    }
+}
+
+/// A `--nextn` run killed (SIGKILL) at several moments leaves checkpoints `check` accepts: the
+/// JSON's block never counts more tokens than the JSON (its snapshot is the trunk's, taken
+/// before the ubatch that wrote it), and the imatrix and JSON agree where they are of the
+/// same moment.
+#[test]
+fn a_killed_run_leaves_checkpoints_that_check_accepts() {
+    for ms in [0u64, 40, 120, 250, 400] {
+        let d = temp_dir(&format!("nextn-kill-{ms}"));
+        let mut child = Command::new(ours())
+            .current_dir(&d)
+            .arg("-m")
+            .arg(fixture("glm4moe"))
+            .arg("-f")
+            .arg(corpus())
+            .args(["-t", "1", "--no-ppl", "-o", "i.gguf", "-c", "64", "-b", "64", "-ofreq", "1", "--nextn"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for_file(&mut child, &d.join("i.reap.json"));
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        signal(&child, libc::SIGKILL);
+        child.wait().unwrap();
+        let c = run(Command::new(ours()).current_dir(&d).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf"]));
+        assert!(c.status.success(), "killed {ms} ms after the first checkpoint:\n{}", String::from_utf8_lossy(&c.stdout));
+    }
+}
+
 /// `--in-file` with `--nextn`: the block's entries of the merged file are added to, as the
 /// trunk's are: chunk 1, then chunk 2 on top of its file, counts as one run over both chunks
 /// and sums equal up to the order of the float additions.
