@@ -283,7 +283,7 @@ fn main() {
     // attention output, the router, the experts' up (gate its alias) and down
     let reduced = |name: String, n_in: usize, n_as: usize, same_as: Option<usize>| {
         let (sums, counts) = if same_as.is_some() { (Vec::new(), Vec::new()) } else { (vec![1.0f32; n_in * n_as.max(1)], vec![4.0f32; n_as.max(1)]) };
-        Reduced { name, n_in: n_in as i64, n_as: n_as as i64, sums, counts, same_as }
+        Reduced { name, n_in: n_in as i64, n_as: n_as as i64, n_mat: 1, sums, counts, same_as }
     };
     let mut drain = Vec::new();
     for l in 0..n_layer {

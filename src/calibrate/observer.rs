@@ -998,16 +998,17 @@ impl CalibrationObserver {
             return true; // asked for REAP only
         }
         let s1 = src1.info();
-        if let Some(red) = self.reducer.as_mut().filter(|_| !src1.is_host()) {
-            let n_mat = src0.info().ne[2] * src0.info().ne[3];
+        let w_ne = src0.info().ne;
+        // a dense input the device reduction does not take (not f32; a matrix broadcast over
+        // several planes) is collected on the host below, as in the exact mode
+        let on_device = op == sys::GGML_OP_MUL_MAT_ID || (s1.ty == sys::GGML_TYPE_F32 && crate::llama::reduce::DeviceReducer::plane_per_matrix(w_ne, s1.ne));
+        if let Some(red) = self.reducer.as_mut().filter(|_| !src1.is_host() && on_device) {
             // accumulated on the device; added to the imatrix per chunk (flush_device_imatrix)
             let result = if op == sys::GGML_OP_MUL_MAT_ID {
                 let Some(ids) = node.src(2) else { return self.fail(format!("{wname}: MUL_MAT_ID without ids")) };
-                red.by_expert(&wname, src1, ids, src0.info().ne[2]).map_err(|e| format!("{wname}: {e:#}"))
-            } else if n_mat == 1 && s1.ty == sys::GGML_TYPE_F32 {
-                red.dense(&wname, src1).map_err(|e| format!("{wname}: {e:#}"))
+                red.by_expert(&wname, src1, ids, w_ne[2]).map_err(|e| format!("{wname}: {e:#}"))
             } else {
-                Err(format!("{wname}: --imatrix-on-device handles one weight matrix per node, this one has {n_mat}"))
+                red.dense(&wname, src1, w_ne[2] * w_ne[3]).map_err(|e| format!("{wname}: {e:#}"))
             };
             self.remember_input(node, wname, true);
             return self.after_collect(result);

@@ -193,7 +193,7 @@ impl ImatrixCollector {
                 Some(l) => (&chunk[l].sums, &chunk[l].counts),
                 None => (&r.sums, &r.counts),
             };
-            finite.push(self.update_reduced(&r.name, r.n_in, r.n_as, sums, counts)?);
+            finite.push(self.update_reduced(&r.name, r.n_in, r.n_as, r.n_mat, sums, counts)?);
         }
         for (r, finite) in chunk.iter().zip(finite) {
             self.after_update(&r.name, finite);
@@ -218,10 +218,12 @@ impl ImatrixCollector {
 
     /// Adds reduced sums and counts into `wname`'s entry; returns whether every sum is finite
     /// after it (each is updated, so this checks the whole entry, as the exact path does).
-    fn update_reduced(&mut self, wname: &str, n_in: i64, n_as: i64, sums: &[f32], counts: &[f32]) -> Result<bool, String> {
+    /// A dense weight of `n_mat` matrices has sums per matrix and one count (rows per matrix).
+    fn update_reduced(&mut self, wname: &str, n_in: i64, n_as: i64, n_mat: i64, sums: &[f32], counts: &[f32]) -> Result<bool, String> {
         let n_rows = n_as.max(1);
-        if sums.len() as i64 != n_in * n_rows || counts.len() as i64 != n_rows {
-            return Err(format!("{wname}: reduced shapes {} and {} for {n_in} × {n_rows}", sums.len(), counts.len()));
+        let n_cols = if n_as > 0 { n_as } else { n_mat };
+        if sums.len() as i64 != n_in * n_cols || counts.len() as i64 != n_rows {
+            return Err(format!("{wname}: reduced shapes {} and {} for {n_in} × {n_cols}", sums.len(), counts.len()));
         }
         let e = self.state.stats.entry(wname.to_string()).or_default();
         if n_as > 0 && e.counts.len() == 1 && n_as > 1 {

@@ -49,13 +49,15 @@ struct Accumulator {
     n_in: i64,
     /// experts of a MUL_MAT_ID weight; 0 for a dense one
     n_as: i64,
+    /// matrices of a dense weight (MLA's per-head `attn_k_b` `[n_in, n_out, n_head]`); 1 else
+    n_mat: i64,
     ctx: *mut sys::ggml_context,
     buf: sys::ggml_backend_buffer_t,
-    /// `[n_in, max(n_as, 1)]`
+    /// `[n_in, max(n_as, n_mat)]`
     sums: *mut sys::ggml_tensor,
     /// `[n_as]` (MUL_MAT_ID only: the routing lives on the device)
     counts: Option<*mut sys::ggml_tensor>,
-    /// rows of a dense weight since the last drain (known on the host)
+    /// rows of a dense weight since the last drain (known on the host), per matrix
     rows: f64,
     /// additions since the last drain
     adds: u32,
@@ -118,9 +120,11 @@ pub struct Reduced {
     pub n_in: i64,
     /// 0 for a dense weight
     pub n_as: i64,
-    /// `[n_in]` (dense) or `[n_expert][n_in]` (MUL_MAT_ID)
+    /// matrices of a dense weight (1 for most, and for MUL_MAT_ID)
+    pub n_mat: i64,
+    /// `[n_mat][n_in]` (dense) or `[n_expert][n_in]` (MUL_MAT_ID)
     pub sums: Vec<f32>,
-    /// `[1]` (dense: rows) or `[n_expert]`
+    /// `[1]` (dense: rows per matrix) or `[n_expert]`
     pub counts: Vec<f32>,
     /// a weight that read another's input: its sums and counts are those of the entry at this
     /// index of the same drain (its own are left empty)
@@ -130,22 +134,37 @@ pub struct Reduced {
 impl DeviceReducer {
     /// Adds Σ over rows of x² for a dense MUL_MAT input `x` `[n_in, rows…]` (any strides), a
     /// computed node of the graph whose callback is running, into `wname`'s accumulator.
-    pub fn dense(&mut self, wname: &str, x: Node<'_>) -> Result<()> {
+    /// `n_mat` > 1: the weight holds that many matrices (`ne[2]·ne[3]`, MLA's per-head
+    /// `attn_k_b`), each multiplying one plane of x (`x.ne[2]·x.ne[3]` = `n_mat`: see
+    /// [`DeviceReducer::plane_per_matrix`]); each gets its own sums, and the rows counted are
+    /// a plane's, as upstream counts them.
+    pub fn dense(&mut self, wname: &str, x: Node<'_>, n_mat: i64) -> Result<()> {
         let x = x.as_ptr();
         let d = self.device_of(x)?;
         // SAFETY: x is live for the callback; the graph reads it and writes only its own tensors.
         unsafe {
             let n_in = (*x).ne[0];
-            let rows = sys::ggml_nrows(x);
-            let a = self.accumulator(wname, d, n_in, 0)?;
-            let ones = self.ones(d, rows)?;
+            let rows = sys::ggml_nrows(x) / n_mat;
+            if rows * n_mat != sys::ggml_nrows(x) {
+                bail!("{} rows of input for {n_mat} matrices", sys::ggml_nrows(x));
+            }
+            let a = self.accumulator(wname, d, n_in, 0, n_mat)?;
+            let ones = self.ones(d, rows * n_mat)?;
             let ctx = self.batch_for(d, a)?;
-            let sq = sys::ggml_sqr(ctx, sys::ggml_reshape_2d(ctx, contiguous(ctx, leaf(ctx, x)), n_in, rows));
-            // Σ over rows per column: [n_in, rows] with ones [1, rows] → [n_in, 1]
-            let sums = sys::ggml_out_prod(ctx, sq, ones_view(ctx, ones, rows, 1));
+            let sq = sys::ggml_sqr(ctx, sys::ggml_reshape_3d(ctx, contiguous(ctx, leaf(ctx, x)), n_in, rows, n_mat));
+            // Σ over rows per column and plane: [n_in, rows, n_mat] with ones [1, rows, n_mat]
+            // → [n_in, 1, n_mat]
+            let sums = sys::ggml_out_prod(ctx, sq, ones_view(ctx, ones, rows, n_mat));
             self.accumulators[a].rows += rows as f64;
             self.add(a, ctx, sums, None)
         }
+    }
+
+    /// Whether [`DeviceReducer::dense`] takes the input `x` of a weight with matrices
+    /// `w_ne[2]·w_ne[3]`: one plane of x per matrix, in order (no broadcast of a matrix over
+    /// several planes, which the host path handles).
+    pub fn plane_per_matrix(w_ne: [i64; 4], x_ne: [i64; 4]) -> bool {
+        x_ne[2] == w_ne[2] && x_ne[3] == w_ne[3]
     }
 
     /// Adds per-expert Σ x² and row counts for a MUL_MAT_ID input `x` `[n_in, 1 or k, T]`
@@ -165,7 +184,7 @@ impl DeviceReducer {
                 bail!("input {:?} and ids {:?} do not match", (*x).ne, (*ids).ne);
             }
             let identity = self.identity(d, n_expert)?;
-            let acc = self.accumulator(wname, d, n_in, n_expert)?;
+            let acc = self.accumulator(wname, d, n_in, n_expert, 1)?;
             let ones = self.ones(d, k * t)?;
             let ctx = self.batch_for(d, acc)?;
             let key = ((*ids).data as usize, k, t, n_expert);
@@ -237,12 +256,12 @@ impl DeviceReducer {
                 a.rows = 0.0;
                 a.adds = 0;
                 drained[i] = Some(out.len());
-                out.push(Reduced { name: a.name.clone(), n_in: a.n_in, n_as: a.n_as, sums, counts, same_as: None });
+                out.push(Reduced { name: a.name.clone(), n_in: a.n_in, n_as: a.n_as, n_mat: a.n_mat, sums, counts, same_as: None });
             }
         }
         for al in self.aliases.iter_mut().filter(|al| al.adds > 0) {
             let l = drained[al.leader].expect("checked above: the leader was added");
-            let alias = Reduced { name: al.name.clone(), n_in: out[l].n_in, n_as: out[l].n_as, sums: Vec::new(), counts: Vec::new(), same_as: Some(l) };
+            let alias = Reduced { name: al.name.clone(), n_in: out[l].n_in, n_as: out[l].n_as, n_mat: out[l].n_mat, sums: Vec::new(), counts: Vec::new(), same_as: Some(l) };
             out.push(alias);
             al.adds = 0;
         }
@@ -250,11 +269,12 @@ impl DeviceReducer {
     }
 
     /// The accumulator of `wname`, allocated (zeroed) on device `d` at first sight.
-    fn accumulator(&mut self, wname: &str, d: usize, n_in: i64, n_as: i64) -> Result<usize> {
+    fn accumulator(&mut self, wname: &str, d: usize, n_in: i64, n_as: i64, n_mat: i64) -> Result<usize> {
+        let cols = n_as.max(n_mat);
         if let Some(i) = self.accumulators.iter().position(|a| a.name == wname) {
             let a = &self.accumulators[i];
-            if a.device != d || a.n_in != n_in || a.n_as != n_as {
-                bail!("{wname} changed shape or device between ubatches ({}×{} → {n_in}×{n_as})", a.n_in, a.n_as);
+            if a.device != d || a.n_in != n_in || a.n_as != n_as || a.n_mat != n_mat {
+                bail!("{wname} changed shape or device between ubatches ({}×{} → {n_in}×{cols})", a.n_in, a.n_as.max(a.n_mat));
             }
             return Ok(i);
         }
@@ -267,15 +287,15 @@ impl DeviceReducer {
             if ctx.is_null() {
                 bail!("ggml_init failed");
             }
-            let sums = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, n_in, n_as.max(1));
+            let sums = sys::ggml_new_tensor_2d(ctx, sys::GGML_TYPE_F32, n_in, cols);
             let counts = (n_as > 0).then(|| sys::ggml_new_tensor_1d(ctx, sys::GGML_TYPE_F32, n_as));
             let buf = sys::ggml_backend_alloc_ctx_tensors(ctx, self.devices[d].backend);
             if buf.is_null() {
                 sys::ggml_free(ctx);
-                bail!("could not allocate {wname}'s {n_in}×{} sums on the device", n_as.max(1));
+                bail!("could not allocate {wname}'s {n_in}×{cols} sums on the device");
             }
             sys::ggml_backend_buffer_clear(buf, 0);
-            self.accumulators.push(Accumulator { name: wname.to_string(), device: d, n_in, n_as, ctx, buf, sums, counts, rows: 0.0, adds: 0 });
+            self.accumulators.push(Accumulator { name: wname.to_string(), device: d, n_in, n_as, n_mat, ctx, buf, sums, counts, rows: 0.0, adds: 0 });
         }
         Ok(self.accumulators.len() - 1)
     }
@@ -598,7 +618,7 @@ mod tests {
             r.batching = true;
             let (mut firsts, mut held) = (Vec::new(), Vec::new());
             for _ in 0..3 {
-                r.dense("w", Node::from_raw(x).unwrap()).unwrap();
+                r.dense("w", Node::from_raw(x).unwrap(), 1).unwrap();
                 r.commit().unwrap();
                 firsts.push(r.first_node);
                 // what a freed context's memory would be handed to next
@@ -681,6 +701,59 @@ mod tests {
             assert_eq!(out[1].sums, up);
             assert_eq!(out[0].counts, counts);
             assert_eq!(out[1].counts, counts);
+            drop(r);
+            sys::ggml_backend_buffer_free(buf);
+            sys::ggml_free(ctx);
+        }
+    }
+
+    /// A weight of several matrices (MLA's per-head `attn_k_b` `[n_in, n_out, n_head]`), its
+    /// input a permuted view `[n_in, T, n_head]` of `[n_in, n_head, T]` (as the graph permutes
+    /// q): per-matrix sums and the rows of one plane, equal to the host collector's entry
+    /// (values multiples of 1/2: exact in f32).
+    #[test]
+    fn per_matrix_sums_of_a_permuted_input_equal_the_hosts() {
+        let (n_in, n_head, t) = (4i64, 3i64, 5i64);
+        // SAFETY: CPU tensors of ours, live for the reducer's and the collector's use of them.
+        unsafe {
+            let ctx = sys::ggml_init(sys::ggml_init_params { mem_size: sys::ggml_tensor_overhead() * 4, mem_buffer: std::ptr::null_mut(), no_alloc: true });
+            let raw = sys::ggml_new_tensor_3d(ctx, sys::GGML_TYPE_F32, n_in, n_head, t);
+            let buf = sys::ggml_backend_alloc_ctx_tensors_from_buft(ctx, sys::ggml_backend_cpu_buffer_type());
+            assert!(!buf.is_null());
+            let vals: Vec<f32> = (0..n_in * n_head * t).map(|i| ((i * 5) % 9 - 4) as f32 * 0.5).collect();
+            sys::ggml_backend_tensor_set(raw, vals.as_ptr().cast(), 0, vals.len() * 4);
+            let x = sys::ggml_permute(ctx, raw, 0, 2, 1, 3);
+            // a view made after the allocation: in the tensor it views, as the scheduler's are
+            (*x).buffer = (*raw).buffer;
+            (*x).data = (*raw).data;
+            assert!(!sys::ggml_is_contiguous(x));
+            assert_eq!((*x).ne, [n_in, t, n_head, 1]);
+            let w_ne = [n_in, 7, n_head, 1];
+            assert!(DeviceReducer::plane_per_matrix(w_ne, (*x).ne));
+            assert!(!DeviceReducer::plane_per_matrix([n_in, 7, 1, 1], (*x).ne));
+            let mut r = DeviceReducer::default();
+            r.batching = true;
+            let mut host = crate::collect::imatrix::ImatrixCollector::new(
+                crate::collect::imatrix::ImatrixConfig { chunk_size: 1 << 20, out_freq: 1 << 20, save_freq: 0, process_output: false },
+                Default::default(),
+            );
+            for _ in 0..2 {
+                r.dense("kb", Node::from_raw(x).unwrap(), n_head).unwrap();
+                r.commit().unwrap();
+                let node = Node::from_raw(x).unwrap();
+                let mut scratch = Vec::new();
+                host.collect_mul_mat("kb", w_ne, &node.info(), node.bytes(&mut scratch)).unwrap();
+            }
+            let out = r.drain().unwrap();
+            let e = &host.state.stats["kb"];
+            assert_eq!((out[0].n_in, out[0].n_as, out[0].n_mat), (n_in, 0, n_head));
+            assert_eq!(out[0].sums, e.values);
+            assert_eq!(out[0].counts, vec![(2 * t) as f32]);
+            assert_eq!(e.counts, vec![2 * t]);
+            // and the imatrix entry made from the drain is the host's
+            let mut dev = crate::collect::imatrix::ImatrixCollector::new(host.cfg.clone(), Default::default());
+            dev.add_reduced(&out).unwrap();
+            assert_eq!((&dev.state.stats["kb"].values, &dev.state.stats["kb"].counts), (&e.values, &e.counts));
             drop(r);
             sys::ggml_backend_buffer_free(buf);
             sys::ggml_free(ctx);

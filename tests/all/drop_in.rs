@@ -139,6 +139,21 @@ fn glm4moe_is_byte_identical() {
     p.assert_same_ppl();
 }
 
+/// deepseek2 (DeepSeek-V3's layout, and Kimi-K2's): multi-head latent attention, whose per-head
+/// matrices attn_k_b and attn_v_b are 3-D (one imatrix matrix per head); glm4moe's routing with
+/// the gates scaled by 2.5 after renormalising.
+#[test]
+fn deepseek2_is_byte_identical() {
+    let p = run_both("ds2-c256", &fixture("deepseek2"), "imatrix.gguf", &args(&["-c", "256", "-b", "256"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+    let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+    // attn_k_b [16, 32, 4 heads]: its input per head (16 wide), one count per head
+    let kb = &m.entries["blk.1.attn_k_b.weight"];
+    assert_eq!((kb.sums.len(), kb.counts.len()), (16 * 4, 1));
+    assert_eq!(m.entries["blk.1.attn_v_b.weight"].sums.len(), 32 * 4);
+}
+
 /// Heads wider than n_embd / n_head (Qwen3-30B-A3B: n_embd 2048, 32 heads of 128; GLM-4.5-Air:
 /// 4096, 96 of 128): attn_output's input, and its imatrix entry, is n_head × head_dim wide.
 #[test]

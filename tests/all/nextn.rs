@@ -56,12 +56,21 @@ fn calibrate(dir: &Path, model: &Path, extra: &[&str]) -> std::process::Output {
     run(Command::new(ours()).current_dir(dir).arg("-m").arg(model).arg("-f").arg(corpus()).args(["-t", "2", "--no-ppl", "-o", "i.gguf"]).args(extra))
 }
 
+/// On glm4moe (GLM-4.5) and deepseek2 (DeepSeek-V3: multi-head latent attention, the gates
+/// scaled by 2.5), each through its own MTP graph at the pin.
 #[test]
 fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_unchanged() {
-    let d = temp_dir("nextn-independent");
+    independent("glm4moe");
+    independent("deepseek2");
+}
+
+fn independent(arch: &str) {
+    let d = temp_dir(&format!("nextn-independent-{arch}"));
     let model_path = d.join("m.gguf");
     // f32 weights: the GGUF holds exactly what the graph multiplies by; blocks 0 (dense), 1, 2 (nextn)
-    run_ok(Command::new(ours()).args(["fixture", "--arch", "glm4moe", "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path));
+    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path));
+    let ds = arch == "deepseek2";
+    let scale = if ds { reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64 } else { 1.0 };
     let (n_ctx, n_batch, n_chunk) = (64usize, 32usize, 2usize);
     // .at_N copies every chunk: a checkpoint holds the block as of the trunk's batch
     let flags = ["-c", "64", "-b", "32", "--chunks", "2", "--trace-out", "t.bin", "--save-frequency", "1"];
@@ -196,9 +205,9 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
                 h_sq_e[e * n_ff + i] += h[i] * h[i];
             }
             count[e] += 1;
-            reap[e] += probs[e] / wsum * norm;
+            reap[e] += scale * probs[e] / wsum * norm;
             ean[e] += norm;
-            prob[e] += probs[e] / wsum;
+            prob[e] += scale * probs[e] / wsum;
         }
     }
     assert_eq!(count, lay.count, "the nextn block's selection counts");
@@ -237,7 +246,10 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     }
     let routed: Vec<i64> = count.iter().map(|&c| c as i64).collect();
     let all = vec![rows as i64];
-    let want: [(&str, &[f64], &[i64]); 11] = [
+    // the matmuls that read attn_norm's result: q, k and v (glm4moe); MLA's two down-projections
+    // (deepseek2: the rest of its attention reads latents)
+    let attn: &[&str] = if ds { &["attn_q_a", "attn_kv_a_mqa"] } else { &["attn_q", "attn_k", "attn_v"] };
+    let mut want: Vec<(&str, &[f64], &[i64])> = vec![
         ("ffn_gate_inp", &x_sq, &all),
         ("ffn_gate_shexp", &x_sq, &all),
         ("ffn_up_shexp", &x_sq, &all),
@@ -246,10 +258,8 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
         ("ffn_up_exps", &x_sq_e, &routed),
         ("ffn_down_exps", &h_sq_e, &routed),
         ("nextn.eh_proj", &cat_sq, &all),
-        ("attn_q", &attn_sq, &all),
-        ("attn_k", &attn_sq, &all),
-        ("attn_v", &attn_sq, &all),
     ];
+    want.extend(attn.iter().map(|&a| (a, &attn_sq[..], &all[..])));
     for (weight, sums, counts) in want {
         let name = format!("blk.{block}.{weight}.weight");
         let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
@@ -260,8 +270,9 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
             assert!((a as f64 - b).abs() <= 1e-4 * b.abs() + 1e-6 * scale, "{name} column {j}: Σx² {a}, independent {b}");
         }
     }
-    // and attn_output, whose input is the attention's result: one count per token fed
-    assert_eq!(entries.len(), 12, "{:?}", entries.keys().collect::<Vec<_>>());
+    // and attn_output, whose input is the attention's result (deepseek2 also attn_q_b, attn_k_b,
+    // attn_v_b, reading latents): one count per token fed
+    assert_eq!(entries.len(), if ds { 14 } else { 12 }, "{:?}", entries.keys().collect::<Vec<_>>());
     assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
 
     // check: every invariant, the trunk and the block against the imatrix, the trunk against the trace
@@ -275,11 +286,16 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
 /// The whole path with the block in the files: `select` keeps K of its experts like any
 /// layer's, `prune` takes the map without `--drop-nextn` and writes a model stock llama.cpp
 /// runs, whose nextn block `--nextn` calibrates again; `replay` leaves the block out (no trace
-/// holds it) and says so.
+/// holds it) and says so. On glm4moe and deepseek2.
 #[test]
 fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
-    let d = temp_dir("nextn-path");
-    let model = fixture("glm4moe");
+    nextn_path("glm4moe");
+    nextn_path("deepseek2");
+}
+
+fn nextn_path(arch: &str) {
+    let d = temp_dir(&format!("nextn-path-{arch}"));
+    let model = fixture(arch);
     let out = calibrate(&d, &model, &["-c", "128", "-b", "128", "--chunks", "4", "--trace-out", "t.bin", "--nextn"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let s = Saliency::read(&d.join("i.reap.json")).unwrap();
@@ -350,12 +366,19 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 /// the MTP graph then has the trunk's device-side nodes, patches 0001-0003): the imatrix is
 /// the CPU run's byte for byte, the block's entries included; the block's sums agree with the
 /// CPU's (norms on the device in f32); with `--imatrix-on-device` the same counts and sums to
-/// f32 rounding; `check` passes on each.
+/// f32 rounding; `check` passes on each. On glm4moe and deepseek2 (MLA's per-head attn_k_b and
+/// attn_v_b on the server).
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    let d = temp_dir("nextn-rpc");
-    let model = fixture("glm4moe");
+    for arch in ["glm4moe", "deepseek2"] {
+        offloaded(&server, arch);
+    }
+}
+
+fn offloaded(server: &RpcServer, arch: &str) {
+    let d = temp_dir(&format!("nextn-rpc-{arch}"));
+    let model = fixture(arch);
     let go = |dir: &str, extra: &[&str]| {
         std::fs::create_dir_all(d.join(dir)).unwrap();
         let out = calibrate(&d.join(dir), &model, &[&["-c", "128", "-b", "128", "--chunks", "4", "--nextn"][..], extra].concat());

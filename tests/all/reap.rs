@@ -19,8 +19,9 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
+        let glm_like = arch == "glm4moe" || arch == "deepseek2";
         calibrate(&d, &fixture(arch), &["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"]);
         let out = check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]);
         let text = String::from_utf8_lossy(&out.stdout);
@@ -35,15 +36,16 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         assert_eq!(dead, 4 * s.layers.len(), "{arch}: each layer has exactly the fixture's 4 dead experts");
         // gpt-oss: the graph's probs are logits; p and the sums from the softmax taken here
         assert_eq!(s.routing().probs_from_logits, Some(arch == "gpt-oss"), "{arch}");
-        // glm4moe: blocks 1–3 (0 is dense; the nextn block 4 is never run); sigmoid router
+        // glm4moe, deepseek2: blocks 1–3 (0 is dense; the nextn block 4 is never run); sigmoid router
         let blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
-        assert_eq!(blocks, if arch == "glm4moe" { vec![1, 2, 3] } else { vec![0, 1, 2, 3] }, "{arch}");
-        assert_eq!(s.routing().softmax(), Some(arch != "glm4moe"), "{arch}");
-        if arch != "qwen2moe" {
+        assert_eq!(blocks, if glm_like { vec![1, 2, 3] } else { vec![0, 1, 2, 3] }, "{arch}");
+        assert_eq!(s.routing().softmax(), Some(!glm_like), "{arch}");
+        if arch != "qwen2moe" && arch != "deepseek2" {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
         } else {
-            assert!(!text.contains("(normalised gating)"), "qwen2moe does not normalise its top-k weights:\n{text}");
+            // qwen2moe does not normalise its top-k weights, deepseek2 scales them by 2.5 after
+            assert!(!text.contains("(normalised gating)"), "{arch}'s gates do not sum to 1:\n{text}");
         }
     }
 }
@@ -262,11 +264,15 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     independent_computation("gpt-oss", true);
     // glm4moe: p = sigmoid(logit), the choice by p + exp_probs_b, g = p / Σ over the picks of p
     independent_computation("glm4moe", true);
+    // deepseek2: the same times 2.5 (the gates do not sum to 1: not "normalised" in the file)
+    independent_computation("deepseek2", false);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
     let gpt_oss = arch == "gpt-oss";
-    let sigmoid = arch == "glm4moe";
+    let sigmoid = arch == "glm4moe" || arch == "deepseek2";
+    // DeepSeek-V3's routed_scaling_factor, on the renormalised gates
+    let scale = if arch == "deepseek2" { reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64 } else { 1.0 };
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
     let d = temp_dir(&format!("reap-independent-{arch}"));
     let model_path = d.join("m.gguf");
@@ -333,9 +339,9 @@ fn independent_computation(arch: &str, normalised: bool) {
         from_trace.sort();
         mine.sort();
         assert_eq!(mine, from_trace, "{arch} token {t}: top-{k} differs");
-        let wsum: f64 = if normalised { sel.iter().map(|&e| probs[e]).sum() } else { 1.0 };
+        let wsum: f64 = if normalised || scale != 1.0 { sel.iter().map(|&e| probs[e]).sum() } else { 1.0 };
         for &e in sel {
-            let g = probs[e] / wsum;
+            let g = scale * probs[e] / wsum;
             let h: Vec<f64> = (0..n_ff)
                 .map(|i| {
                     let a = dot_row(&gate, n_embd, n_ff, e, i, &x) + b_at(&gate_b, e * n_ff + i);
@@ -400,7 +406,7 @@ fn independent_computation(arch: &str, normalised: bool) {
         }
     }
     let live = count.iter().filter(|&&c| c > 0).count();
-    if normalised {
+    if normalised || scale != 1.0 {
         // g = p / Σ over the picks of p: the two definitions part for most experts
         assert!(differ * 2 > live, "{arch}: softmax and applied-gate sums differ by > 0.1% for only {differ} of {live} live experts");
     } else {
