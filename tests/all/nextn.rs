@@ -398,12 +398,18 @@ fn offloaded(server: &RpcServer, arch: &str) {
         assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-9), "the block's sums: {x} on the CPU, {y} off-host");
     }
     let (dev, _) = go("on-device", &[&rpc[..], &["--imatrix-on-device"]].concat());
-    assert_eq!(dev.entries.keys().collect::<Vec<_>>(), cpu.entries.keys().collect::<Vec<_>>());
-    for (name, e) in &cpu.entries {
-        let f = &dev.entries[name];
-        assert_eq!(f.counts, e.counts, "{name}");
+    same_entries_to_rounding(&cpu, &dev, "exact, --imatrix-on-device");
+}
+
+/// `a` and `b` hold the same entries with the same counts, and sums within 1e-5 relative
+/// (f32 sums added in another order).
+fn same_entries_to_rounding(a: &imatrix::Loaded, b: &imatrix::Loaded, what: &str) {
+    assert_eq!(a.entries.keys().collect::<Vec<_>>(), b.entries.keys().collect::<Vec<_>>(), "{what}");
+    for (name, e) in &a.entries {
+        let f = &b.entries[name];
+        assert_eq!(e.counts, f.counts, "{name} ({what})");
         for (x, y) in e.sums.iter().zip(&f.sums) {
-            assert!((x - y).abs() <= 1e-5 * x.abs().max(y.abs()), "{name}: {x} exact, {y} --imatrix-on-device");
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(y.abs()), "{name} ({what}): {x}, {y}");
         }
     }
 }
@@ -450,14 +456,7 @@ fn an_in_file_merge_adds_to_the_blocks_entries() {
     }
     let (a, b, c) = (imatrix::load(&d.join("a.gguf")).unwrap(), imatrix::load(&d.join("b.gguf")).unwrap(), imatrix::load(&d.join("c.gguf")).unwrap());
     assert_eq!(a.entries["blk.4.ffn_gate_inp.weight"].counts, vec![64]);
-    assert_eq!(b.entries.keys().collect::<Vec<_>>(), c.entries.keys().collect::<Vec<_>>());
-    for (name, e) in &c.entries {
-        let f = &b.entries[name];
-        assert_eq!(f.counts, e.counts, "{name}");
-        for (x, y) in f.sums.iter().zip(&e.sums) {
-            assert!((x - y).abs() <= 1e-5 * x.abs().max(y.abs()), "{name}: {x} merged, {y} in one run");
-        }
-    }
+    same_entries_to_rounding(&b, &c, "merged, in one run");
 }
 
 /// A signal stops a `--nextn` run at the trunk's next ubatch, never inside the block's pass
