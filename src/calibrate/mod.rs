@@ -258,7 +258,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     let mut params = model_params(&plan.args)?;
     let ctx_params = context_params(&plan)?;
     let nextn_block = if plan.args.nextn {
-        let b = validate::nextn_block(&plan.args, &model_path, &header)?;
+        let b = validate::nextn_block(&model_path, &header)?;
         params.load_mtp = true;
         Some(b)
     } else {

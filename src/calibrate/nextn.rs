@@ -11,13 +11,15 @@
 //!
 //! Its own observer collects the block's imatrix entries (upstream's collector, on the MTP
 //! graph's matmuls: `blk.N.nextn.eh_proj`, attention, router, experts, shared expert) and its
-//! REAP sums (no trace rows). After each pass both are copied into the main observer, and the
+//! REAP sums (no trace rows; with `--domains`, split by domain as the trunk's are, each token
+//! in its own domain). After each pass both are copied into the main observer, and the
 //! entries into the imatrix of the checkpoints the trunk queued during the batch: `llama-quantize`
 //! then finds entries for the block's tensors (a very-low-bit type refuses a tensor without
 //! one), and the JSON lists the block in `"nextn_blocks"`. The trunk's entries are never
 //! touched.
 
-use super::observer::{CalibrationObserver, ReapState};
+use super::observer::{BatchRows, CalibrationObserver, ReapState};
+use crate::collect::reap::DomainSplit;
 use crate::collect::imatrix::{Imatrix, ImatrixCollector, ImatrixConfig};
 use crate::llama::{Batch, Context, ContextParams, Model};
 use anyhow::{bail, Result};
@@ -103,6 +105,14 @@ impl<'m> NextnPass<'m> {
             let last = seq * len + len - 1;
             self.pending[seq].copy_from_slice(&hidden[last * e..(last + 1) * e]);
         }
+        // the trunk's rows of this batch, ubatch by ubatch (llama.cpp splits the same batch
+        // alike; each ubatch's tokens are checked against the MTP graph's), with their domains
+        if let (Some(r), Some(t)) = (self.ctx.observer_mut().reap.as_mut(), main.reap.as_ref()) {
+            r.batch = BatchRows { current: None, ..t.batch.clone() };
+            if let (None, Some(d)) = (&r.sums.domains, &t.sums.domains) {
+                r.sums.domains = Some(DomainSplit::new(d.names.clone()));
+            }
+        }
         let done = self.ctx.decode_or_stop(&mut self.batch);
         let obs = self.ctx.observer_mut();
         obs.finish_ubatch();
@@ -128,15 +138,16 @@ impl<'m> NextnPass<'m> {
         }
         let sums = match &obs.reap {
             Some(r) if r.sums.layers.is_empty() => bail!("--nextn: the MTP graph has no MoE layer the collector recognised (chunk {})", main.chunk),
-            Some(r) => Some(&r.sums.layers),
+            Some(r) => Some((&r.sums.layers, r.sums.domains.as_ref().map(|d| d.complete(&r.sums.layers)))),
             None => None,
         };
         let stats = &obs.imatrix.state.stats;
         for (name, s) in stats {
             main.imatrix.state.stats.entry(name.clone()).or_default().clone_from(s);
         }
-        if let (Some(r), Some(sums)) = (main.reap.as_mut(), sums) {
+        if let (Some(r), Some((sums, domains))) = (main.reap.as_mut(), sums) {
             r.nextn.clone_from(sums);
+            r.nextn_domains = domains.unwrap_or_default();
         }
         // The trunk's checkpoints of this batch were taken inside its graph, before this pass
         // ran. Their imatrix gets the block's entries of the whole batch: upstream labels such a

@@ -14,7 +14,7 @@ pub struct Checkpoint {
 }
 
 /// What REAP collection knows about the batch in flight.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct BatchRows {
     /// per ubatch, per row: (chunk, pos, token id)
     pub ubatches: Vec<Vec<(u32, u32, i32)>>,
@@ -40,6 +40,9 @@ pub struct ReapState {
     /// `--nextn`: the nextn blocks' sums, collected by the MTP context's own observer and
     /// copied here after each of its passes, so every snapshot of the file holds them
     pub nextn: Vec<crate::formats::saliency::LayerSums>,
+    /// `--nextn` with `--domains`: per domain, the nextn blocks' part of the sums (copied with
+    /// `nextn`); empty otherwise
+    pub nextn_domains: Vec<Vec<crate::formats::saliency::DomainLayer>>,
 }
 
 pub struct CalibrationObserver {
@@ -177,6 +180,13 @@ fn is_ubatch_start(node: Node<'_>) -> bool {
     node.info().op == sys::GGML_OP_GET_ROWS && node.src(1).is_some_and(|s| s.name() == "inp_tokens")
 }
 
+/// The MTP graph's token-embedding lookup (`mtp_tok_embd-N`, a `GET_ROWS` of its unnamed token
+/// input): where the `--nextn` pass's observer starts a ubatch's rows. Not a place to stop
+/// at a signal (the trunk stops at its own next ubatch).
+fn is_mtp_ubatch_start(node: Node<'_>) -> bool {
+    node.info().op == sys::GGML_OP_GET_ROWS && node.name().starts_with("mtp_tok_embd")
+}
+
 impl CalibrationObserver {
     pub fn new(imatrix: ImatrixCollector, reap: Option<ReapState>) -> Self {
         CalibrationObserver {
@@ -231,11 +241,16 @@ impl CalibrationObserver {
             nextn_blocks: r.nextn.iter().map(|l| l.layer).collect(),
             coverage: None,
             domains: r.sums.domains.as_ref().map_or_else(Vec::new, |d| {
+                // the nextn blocks saw the trunk's tokens: the trunk's count per domain
+                let mut nextn = r.nextn_domains.iter();
                 d.names
                     .iter()
                     .zip(&d.tokens)
                     .zip(d.complete(&r.sums.layers))
-                    .map(|((name, &tokens), layers)| crate::formats::saliency::DomainSums { name: name.clone(), tokens, layers })
+                    .map(|((name, &tokens), mut layers)| {
+                        layers.extend(nextn.next().into_iter().flatten().cloned());
+                        crate::formats::saliency::DomainSums { name: name.clone(), tokens, layers }
+                    })
                     .collect()
             }),
         })
@@ -288,7 +303,7 @@ impl CalibrationObserver {
     fn observe_reap(&mut self, node: Node<'_>) -> bool {
         let name = node.name();
         let Some(r) = self.reap.as_mut() else { return true };
-        let result = if is_ubatch_start(node) {
+        let result = if is_ubatch_start(node) || is_mtp_ubatch_start(node) {
             // a new ubatch: the previous one is complete
             let next = r.batch.current.map_or(0, |c| c + 1);
             if r.batch.current.is_some() {
@@ -491,7 +506,7 @@ fn check_ubatch_tokens(batch: &BatchRows, u: usize, node: Node<'_>, scratch: &mu
 
 impl ReapState {
     pub fn new(trace: Option<TraceRows>) -> Self {
-        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, gating_op: None, probs_from_logits: false, rows_handed: 0, nextn: Vec::new() }
+        ReapState { sums: ReapCollector::new(), trace, batch: BatchRows::default(), weights_node: None, gating_op: None, probs_from_logits: false, rows_handed: 0, nextn: Vec::new(), nextn_domains: Vec::new() }
     }
 
     /// The trace header for what the graph has shown so far (0 rows, flags: normalised gating);
@@ -549,6 +564,7 @@ fn is_reap_node(node: Node<'_>) -> bool {
         || expert_out_layer(name).is_some()
         || layer_of(name, WEIGHTED).is_some()
         || is_ubatch_start(node)
+        || is_mtp_ubatch_start(node)
 }
 
 impl GraphObserver for CalibrationObserver {
@@ -558,6 +574,10 @@ impl GraphObserver for CalibrationObserver {
         }
         // where a signal can stop the run with every collector at a ubatch boundary
         if is_ubatch_start(node) {
+            return true;
+        }
+        // (read at once, never deferred: its rows are the ubatch's)
+        if self.reap.is_some() && is_mtp_ubatch_start(node) {
             return true;
         }
         if self.defer && node.name() == RESULT_OUTPUT {
@@ -882,7 +902,7 @@ impl CalibrationObserver {
         // whatever is observed now comes after the nodes skipped before it: read those first
         // (their data is kept), so the collectors see the graph's order
         if !self.deferred.is_empty() {
-            if is_ubatch_start(node) {
+            if is_ubatch_start(node) || is_mtp_ubatch_start(node) {
                 // skipped in the previous graph, whose memory this one reuses: never read them
                 let n = self.deferred.len();
                 self.deferred.clear();

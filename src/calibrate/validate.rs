@@ -88,7 +88,7 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
         bail!(UsageError(one_k_per_trace(model, &ks)));
     }
     if a.nextn {
-        nextn_block(a, model, h)?;
+        nextn_block(model, h)?;
     }
     if let Some(n) = a.trace_top_n {
         if h.is_moe() && n < h.n_expert_used as usize {
@@ -115,10 +115,7 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
 pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2"];
 
 /// `--nextn`: the model's one nextn block (the block of `blk.N.nextn.eh_proj.weight`), or why not.
-pub fn nextn_block(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader) -> Result<u32> {
-    if let Some(d) = &a.domains {
-        bail!(UsageError(format!("--nextn with --domains {}: per-domain sums of the nextn block are not collected yet; run them apart", d.display())));
-    }
+pub fn nextn_block(model: &Path, h: &ModelHeader) -> Result<u32> {
     if !NEXTN_ARCHS.contains(&h.arch.as_str()) {
         bail!(UsageError(format!(
             "--nextn: {} is {}; the nextn/MTP pass is implemented for {} (llama.cpp's MTP graph at the pin)",

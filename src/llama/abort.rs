@@ -28,6 +28,17 @@ pub(super) fn note_rpc_server(endpoint: &str) {
     }
 }
 
+/// A model of this process was loaded with the CPU backend's extra buffer types (AMX, weight
+/// repacking: on unless `--no-repack`), for the message.
+static EXTRA_BUFTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub(super) fn note_extra_bufts() {
+    EXTRA_BUFTS.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// What ggml's scheduler says when no backend takes one of the graph's ops.
+const NO_BACKEND: &str = "cur_backend_id != -1";
+
 pub(super) fn install() {
     // SAFETY: the handler is a plain function that lives for the whole program.
     unsafe { sys::ggml_set_abort_callback(Some(on_abort)) };
@@ -63,6 +74,14 @@ pub fn describe(msg: &str) -> String {
             text.push_str(&format!("\n  lost the RPC server {} (no longer accepts connections)", names.join(", ")));
         }
     }
+    if msg.contains(NO_BACKEND) && EXTRA_BUFTS.load(std::sync::atomic::Ordering::SeqCst) {
+        // seen at the pin on a CPU with AMX: its buffer type holds f16 and quantized matrices,
+        // and an op on one of them that it does not implement has no backend left (deepseek2's
+        // graph; upstream's llama-imatrix and llama-perplexity abort alike)
+        text.push_str(
+            "\n  no backend took one of the graph's ops: with the CPU backend's extra buffer types (AMX, weight repacking) llama.cpp aborts so on some models (deepseek2 on a CPU with AMX); --no-repack (-nr) turns them off",
+        );
+    }
     text.push_str("\n  files written before this point (the last checkpoint) are intact; later ones were not written");
     text
 }
@@ -79,4 +98,20 @@ fn answers(endpoint: &str) -> bool {
         }
         addrs.iter().any(|a| std::net::TcpStream::connect_timeout(a, std::time::Duration::from_secs(1)).is_ok())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The scheduler's abort with the extra buffer types on names the way around it; any
+    /// other abort does not.
+    #[test]
+    fn no_backend_for_an_op_names_no_repack() {
+        note_extra_bufts();
+        let t = describe("ggml/src/ggml-backend.cpp:1294: GGML_ASSERT(*cur_backend_id != -1) failed\n");
+        assert!(t.contains("--no-repack (-nr)") && t.ends_with("later ones were not written"), "{t}");
+        let t = describe("ggml/src/ggml.c:1: GGML_ASSERT(x) failed");
+        assert!(!t.contains("--no-repack"), "{t}");
+    }
 }

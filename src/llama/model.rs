@@ -79,6 +79,9 @@ impl Model {
         mp.split_mode = params.split_mode;
         mp.main_gpu = params.main_gpu;
         mp.use_extra_bufts = params.use_extra_bufts;
+        if params.use_extra_bufts && !params.vocab_only {
+            super::abort::note_extra_bufts();
+        }
         mp.load_mtp = params.load_mtp;
         // llama.cpp reads llama_max_devices() floats; the array lives until the load returns
         // SAFETY: a plain query.

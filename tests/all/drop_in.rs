@@ -144,7 +144,7 @@ fn glm4moe_is_byte_identical() {
 /// the gates scaled by 2.5 after renormalising.
 #[test]
 fn deepseek2_is_byte_identical() {
-    let p = run_both("ds2-c256", &fixture("deepseek2"), "imatrix.gguf", &args(&["-c", "256", "-b", "256"]));
+    let p = run_both("ds2-c256", &fixture("deepseek2"), "imatrix.gguf", &args(&[&["-c", "256", "-b", "256"][..], cpu_flags("deepseek2")].concat()));
     p.assert_same_file("imatrix.gguf");
     p.assert_same_ppl();
     let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();

@@ -113,11 +113,30 @@ fn independent(arch: &str) {
     assert_eq!((lay.layer, lay.tokens), (2, (n_ctx * n_chunk) as u64));
     let (n_expert, k) = (lay.n_expert, lay.n_expert_used);
 
-    // the same tokens through the trunk, then the MTP graph fed as upstream's drafter feeds it
+    // --domains: two domains split inside chunk 1 (token `split` starts domain b)
     let model = Model::load(&model_path, &ModelParams { load_mtp: true, ..Default::default() }).unwrap();
     let mut text = std::fs::read(corpus()).unwrap();
+    let text_len = text.len();
     text.pop();
     let tokens = model.vocab().tokenize(&text, true, false).unwrap();
+    let offsets = model.vocab().token_offsets(&text, &tokens).unwrap();
+    let split = n_ctx + 10;
+    std::fs::create_dir_all(d.join("domains")).unwrap();
+    let tsv = format!("start\tend\tdomain\n0\t{b}\ta\n{b}\t{text_len}\tb\n", b = offsets[split]);
+    std::fs::write(d.join("domains/mix.tsv"), tsv).unwrap();
+    let out = calibrate(&d.join("domains"), &model_path, &[&flags[..], &["--nextn", "--domains", "mix.tsv"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let sd = Saliency::read(&d.join("domains/i.reap.json")).unwrap();
+    // the whole run's sums are the run's without --domains, the block's among them
+    assert_eq!(sd.layers, s.layers);
+    assert_eq!(sd.nextn_blocks, vec![2]);
+    assert_same_bytes(&d.join("nextn/i.gguf"), &d.join("domains/i.gguf"));
+    let names: Vec<&str> = sd.domains.iter().map(|x| x.name.as_str()).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(sd.domains.iter().map(|x| x.tokens).collect::<Vec<_>>(), [split as u64, (n_ctx * n_chunk - split) as u64]);
+    let dom_of = |r: usize| usize::from(offsets[r] >= offsets[split]);
+
+    // the same tokens through the trunk, then the MTP graph fed as upstream's drafter feeds it
     let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_batch as u32, n_ubatch: n_batch as u32, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1, ..Default::default() };
     let mut trunk = Context::new(&model, &p, Hidden(Vec::new())).unwrap();
     let block = 2usize;
@@ -176,6 +195,8 @@ fn independent(arch: &str) {
     let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_exps.weight")).1[1] as usize;
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
+    // per domain: count, reap, prob
+    let mut by_dom = vec![(vec![0u64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]); 2];
     // the imatrix's Σx² of the block's matmul inputs: the router's input x (router, experts'
     // gate and up, shared expert's gate and up), per expert the SwiGLU the down projection reads
     let mut x_sq = vec![0f64; n_embd];
@@ -208,6 +229,10 @@ fn independent(arch: &str) {
             reap[e] += scale * probs[e] / wsum * norm;
             ean[e] += norm;
             prob[e] += scale * probs[e] / wsum;
+            let dm = &mut by_dom[dom_of(t)];
+            dm.0[e] += 1;
+            dm.1[e] += scale * probs[e] / wsum * norm;
+            dm.2[e] += scale * probs[e] / wsum;
         }
     }
     assert_eq!(count, lay.count, "the nextn block's selection counts");
@@ -218,6 +243,18 @@ fn independent(arch: &str) {
         assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
         assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
     }
+    // each domain's part of the block: its own tokens' sums (the trunk's layers come first)
+    for (dm, (want_count, want_reap, want_prob)) in sd.domains.iter().zip(&by_dom) {
+        assert_eq!(dm.layers.len(), sd.layers.len(), "domain {}", dm.name);
+        let got = dm.layers.last().unwrap();
+        assert_eq!(got.layer, 2);
+        assert_eq!(&got.count, want_count, "domain {}: the block's counts", dm.name);
+        for e in 0..n_expert {
+            assert!(rel(want_reap[e], got.reap_l2_sum[e]) < 1e-5 || want_reap[e] == got.reap_l2_sum[e], "domain {} expert {e}: reap_l2_sum {} vs independent {}", dm.name, got.reap_l2_sum[e], want_reap[e]);
+            assert!(rel(want_prob[e], got.prob_sum[e]) < 1e-5 || want_prob[e] == got.prob_sum[e], "domain {} expert {e}: prob_sum {} vs independent {}", dm.name, got.prob_sum[e], want_prob[e]);
+        }
+    }
+    assert!(by_dom.iter().all(|x| x.0.iter().sum::<u64>() > 0), "both domains route tokens through the block");
 
     // the block's imatrix entries against the same tokens and states, recomputed in f64
     let token_embd = gguf_f32(&model_path, "token_embd.weight").0;
@@ -281,6 +318,11 @@ fn independent(arch: &str) {
     assert!(c.status.success(), "{text}");
     assert!(text.contains("layer 2: a nextn/MTP block"), "{text}");
     assert!(text.contains("[ok] layer 2: count equals the imatrix counts of blk.2.ffn_down_exps.weight"), "{text}");
+    // and the per-domain parts, the block's among them, add up to the whole
+    let c = run(Command::new(ours()).current_dir(d.join("domains")).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
+    let text = String::from_utf8_lossy(&c.stdout);
+    assert!(c.status.success(), "{text}");
+    assert!(text.contains("domains: Σ tokens over 2 domains"), "{text}");
 }
 
 /// The whole path with the block in the files: `select` keeps K of its experts like any
@@ -296,7 +338,7 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
 fn nextn_path(arch: &str) {
     let d = temp_dir(&format!("nextn-path-{arch}"));
     let model = fixture(arch);
-    let out = calibrate(&d, &model, &["-c", "128", "-b", "128", "--chunks", "4", "--trace-out", "t.bin", "--nextn"]);
+    let out = calibrate(&d, &model, &[&["-c", "128", "-b", "128", "--chunks", "4", "--trace-out", "t.bin", "--nextn"][..], cpu_flags(arch)].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let s = Saliency::read(&d.join("i.reap.json")).unwrap();
     assert_eq!(s.nextn_blocks, vec![4]);
@@ -315,7 +357,7 @@ fn nextn_path(arch: &str) {
     assert!(super::prune::upstream_ppl(&pruned).is_finite());
     let again = d.join("again");
     std::fs::create_dir_all(&again).unwrap();
-    let out = calibrate(&again, &pruned, &["-c", "128", "-b", "128", "--chunks", "2", "--nextn"]);
+    let out = calibrate(&again, &pruned, &[&["-c", "128", "-b", "128", "--chunks", "2", "--nextn"][..], cpu_flags(arch)].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let p = Saliency::read(&again.join("i.reap.json")).unwrap();
     assert_eq!((p.nextn_blocks.clone(), p.layers.last().unwrap().n_expert), (vec![4], 24));
@@ -366,8 +408,8 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 /// the MTP graph then has the trunk's device-side nodes, patches 0001-0003): the imatrix is
 /// the CPU run's byte for byte, the block's entries included; the block's sums agree with the
 /// CPU's (norms on the device in f32); with `--imatrix-on-device` the same counts and sums to
-/// f32 rounding; `check` passes on each. On glm4moe and deepseek2 (MLA's per-head attn_k_b and
-/// attn_v_b on the server).
+/// f32 rounding; with `--domains` the block's sums split by domain; `check` passes on each. On
+/// glm4moe and deepseek2 (MLA's per-head attn_k_b and attn_v_b on the server).
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
@@ -387,7 +429,9 @@ fn offloaded(server: &RpcServer, arch: &str) {
         assert!(c.status.success(), "{dir}: {}", String::from_utf8_lossy(&c.stdout));
         (imatrix::load(&d.join(dir).join("i.gguf")).unwrap(), Saliency::read(&d.join(dir).join("i.reap.json")).unwrap())
     };
-    let (cpu, cpu_s) = go("cpu", &[]);
+    // -nr: the server's CPU backend has no extra buffer types, so the local run goes without
+    // them too (on a CPU with AMX its f16 products would go through AMX, another rounding)
+    let (cpu, cpu_s) = go("cpu", &["-nr"]);
     let rpc = ["-ngl", "99", "--rpc", &server.endpoint];
     let (_, off_s) = go("rpc", &rpc);
     assert_same_bytes(&d.join("cpu/i.gguf"), &d.join("rpc/i.gguf"));
@@ -399,6 +443,18 @@ fn offloaded(server: &RpcServer, arch: &str) {
     }
     let (dev, _) = go("on-device", &[&rpc[..], &["--imatrix-on-device"]].concat());
     same_entries_to_rounding(&cpu, &dev, "exact, --imatrix-on-device");
+    // with --domains (split at byte 1000, inside the first chunk): the same whole-run sums,
+    // the block's among them, split over both domains (check adds the parts up)
+    let len = std::fs::metadata(corpus()).unwrap().len();
+    std::fs::create_dir_all(d.join("domains")).unwrap();
+    std::fs::write(d.join("domains/mix.tsv"), format!("start\tend\tdomain\n0\t1000\ta\n1000\t{len}\tb\n")).unwrap();
+    let (_, dom_s) = go("domains", &[&rpc[..], &["--domains", "mix.tsv"]].concat());
+    assert_eq!(dom_s.layers, off_s.layers);
+    for dm in &dom_s.domains {
+        let l = dm.layers.last().unwrap();
+        assert_eq!(l.layer, b.layer);
+        assert!(dm.tokens > 0 && l.count.iter().sum::<u64>() == dm.tokens * b.n_expert_used as u64, "domain {}: {} tokens, the block's counts {:?}", dm.name, dm.tokens, l.count);
+    }
 }
 
 /// `a` and `b` hold the same entries with the same counts, and sums within 1e-5 relative
@@ -488,7 +544,7 @@ fn a_signal_leaves_the_block_with_every_batch_the_trunk_finished() {
 }
 
 /// What `--nextn` refuses, before the model loads: a model without the block's NextN tensors,
-/// an architecture whose MTP graph it does not drive, `--domains`.
+/// an architecture whose MTP graph it does not drive.
 #[test]
 fn nextn_refuses_what_it_cannot_run() {
     let d = temp_dir("nextn-refused");
@@ -500,7 +556,6 @@ fn nextn_refuses_what_it_cannot_run() {
         assert!(!d.join("i.gguf").exists());
     };
     refused(&fixture("qwen3moe"), &[], "is qwen3moe; the nextn/MTP pass is implemented for glm4moe");
-    refused(&fixture("glm4moe"), &["--domains", "x.tsv"], "--domains x.tsv");
     // pruned with --drop-nextn: no block left
     let map = d.join("all.json");
     let all: Vec<serde_json::Value> = (1..=3).map(|b| serde_json::json!({"layer": b, "keep": (0..32).collect::<Vec<u32>>()})).collect();

@@ -22,7 +22,7 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
     for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         let glm_like = arch == "glm4moe" || arch == "deepseek2";
-        calibrate(&d, &fixture(arch), &["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"]);
+        calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
         let out = check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(out.status.success(), "{arch}:\n{text}");

@@ -61,6 +61,20 @@ pub fn fixture(arch: &str) -> PathBuf {
     fixture_with(arch, &["--arch", arch])
 }
 
+/// Flags for CPU runs of the `arch` fixture (f16), upstream's tools' and ours alike. On a CPU
+/// with AMX the pin's CPU backend keeps f16 matrices in its AMX buffer type, and deepseek2's
+/// graph then has an op that no backend takes: `ggml_backend_sched_split_graph` aborts
+/// (`GGML_ASSERT(*cur_backend_id != -1)`) in upstream's llama-imatrix and llama-perplexity as in
+/// ours. `-nr` turns the extra buffer types off; on a CPU without AMX it changes nothing for an
+/// f16 model (ggml repacks quantized types only), so a test means the same on every machine.
+pub fn cpu_flags(arch: &str) -> &'static [&'static str] {
+    if arch == "deepseek2" {
+        &["-nr"]
+    } else {
+        &[]
+    }
+}
+
 /// A fixture made with `reap-imatrix fixture ARGS`, once per test process under `key`.
 pub fn fixture_with(key: &str, args: &[&str]) -> PathBuf {
     static MADE: OnceLock<Mutex<Vec<(String, PathBuf)>>> = OnceLock::new();
