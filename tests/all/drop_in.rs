@@ -141,7 +141,7 @@ fn glm4moe_is_byte_identical() {
 
 /// deepseek2 (DeepSeek-V3's layout, and Kimi-K2's): multi-head latent attention, whose per-head
 /// matrices attn_k_b and attn_v_b are 3-D (one imatrix matrix per head); glm4moe's routing with
-/// the gates scaled by 2.5 after renormalising.
+/// the gates scaled by 2.5 after renormalising; and routed within expert groups.
 #[test]
 fn deepseek2_is_byte_identical() {
     let p = run_both("ds2-c256", &fixture("deepseek2"), "imatrix.gguf", &args(&[&["-c", "256", "-b", "256"][..], cpu_flags("deepseek2")].concat()));
@@ -152,6 +152,11 @@ fn deepseek2_is_byte_identical() {
     let kb = &m.entries["blk.1.attn_k_b.weight"];
     assert_eq!((kb.sums.len(), kb.counts.len()), (16 * 4, 1));
     assert_eq!(m.entries["blk.1.attn_v_b.weight"].sums.len(), 32 * 4);
+    // routed within expert groups as DeepSeek-V3 routes (8 groups of 4, 2 used per token)
+    let grouped = fixture_with("deepseek2-groups", &["--arch", "deepseek2", "--expert-groups", "8", "--expert-groups-used", "2"]);
+    let p = run_both("ds2-groups", &grouped, "imatrix.gguf", &args(&[&["-c", "256", "-b", "256"][..], cpu_flags("deepseek2")].concat()));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
 }
 
 /// Heads wider than n_embd / n_head (Qwen3-30B-A3B: n_embd 2048, 32 heads of 128; GLM-4.5-Air:

@@ -266,17 +266,25 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     independent_computation("glm4moe", true);
     // deepseek2: the same times 2.5 (the gates do not sum to 1: not "normalised" in the file)
     independent_computation("deepseek2", false);
+    // and routed within expert groups as DeepSeek-V3 routes (8 groups, here 2 used): a group
+    // scores the sum of its two best p + bias, the top-k come from the best groups only
+    independent_computation_grouped("deepseek2", false, Some((8, 2)));
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
+    independent_computation_grouped(arch, normalised, None)
+}
+
+fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<(usize, usize)>) {
     let gpt_oss = arch == "gpt-oss";
     let sigmoid = arch == "glm4moe" || arch == "deepseek2";
     // DeepSeek-V3's routed_scaling_factor, on the renormalised gates
     let scale = if arch == "deepseek2" { reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64 } else { 1.0 };
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
-    let d = temp_dir(&format!("reap-independent-{arch}"));
+    let d = temp_dir(&format!("reap-independent-{arch}{}", if groups.is_some() { "-groups" } else { "" }));
     let model_path = d.join("m.gguf");
-    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path));
+    let group_flags: Vec<String> = groups.map_or_else(Vec::new, |(g, u)| vec!["--expert-groups".into(), g.to_string(), "--expert-groups-used".into(), u.to_string()]);
+    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path).args(&group_flags));
     let n_ctx = 64usize;
     calibrate(&d, &model_path, &["-c", &n_ctx.to_string(), "-b", "64", "--chunks", "1", "--trace-out", "t.bin"]);
     let s = Saliency::read(&d.join("i.reap.json")).unwrap();
@@ -321,6 +329,8 @@ fn independent_computation(arch: &str, normalised: bool) {
     // the REAP reference's weighting: the softmax probability p, not the applied gate
     let (mut reap_p, mut reap_p_sq, mut max_act) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![f64::NEG_INFINITY; n_expert]);
     let mut router_p = vec![0f64; n_expert];
+    // tokens whose top-k the groups changed
+    let mut grouping_mattered = 0usize;
     for t in 0..n_ctx {
         let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
         // softmax router, top-k, renormalised or not
@@ -329,9 +339,35 @@ fn independent_computation(arch: &str, normalised: bool) {
         let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
         let probs: Vec<f64> =
             if sigmoid { logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect() } else { logits.iter().map(|l| (l - m).exp() / z).collect() };
-        let choice: Vec<f64> = (0..n_expert).map(|e| probs[e] + b_at(&select_b, e)).collect();
+        let mut choice: Vec<f64> = (0..n_expert).map(|e| probs[e] + b_at(&select_b, e)).collect();
         let mut order: Vec<usize> = (0..n_expert).collect();
         order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]));
+        let ungrouped: Vec<usize> = order[..k].to_vec();
+        if let Some((g, u)) = groups {
+            // llama.cpp's group-limited choice: groups of consecutive ids, each scored by the
+            // sum of its two best choice values; the experts of the other groups never chosen
+            let per = n_expert / g;
+            let mut score: Vec<(usize, f64)> = (0..g)
+                .map(|gi| {
+                    let mut v = choice[gi * per..(gi + 1) * per].to_vec();
+                    v.sort_by(|a, b| b.total_cmp(a));
+                    (gi, v[0] + v[1])
+                })
+                .collect();
+            score.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let used: Vec<usize> = score[..u].iter().map(|s| s.0).collect();
+            for (e, c) in choice.iter_mut().enumerate() {
+                if !used.contains(&(e / per)) {
+                    *c = f64::NEG_INFINITY;
+                }
+            }
+            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]));
+            let mut a = order[..k].to_vec();
+            a.sort();
+            let mut b = ungrouped.clone();
+            b.sort();
+            grouping_mattered += usize::from(a != b);
+        }
         let sel = &order[..k];
         // the graph's own choice agrees (read from the trace)
         let mut from_trace: Vec<usize> = trace.row(t as u64).sel_ids(li).iter().map(|&e| e as usize).collect();
@@ -368,6 +404,11 @@ fn independent_computation(arch: &str, normalised: bool) {
         }
     }
     assert_eq!(count, lay.count);
+    if groups.is_some() {
+        // else the test could not tell grouped from plain routing
+        assert!(grouping_mattered * 4 > n_ctx, "{arch}: the groups changed the top-{k} of only {grouping_mattered} of {n_ctx} tokens");
+        assert_eq!(s.metadata["model"]["expert_group_count"], groups.unwrap().0.to_string());
+    }
     let rel = |a: f64, b: f64| (a - b).abs() / a.abs().max(b.abs()).max(1e-30);
     for e in 0..n_expert {
         if count[e] == 0 {
