@@ -52,6 +52,8 @@ pub struct Plan {
     /// -f's size and sha256, of the bytes the run read (set when it reads them): the manifest's
     /// record, not a hash of whatever the file holds when the run ends
     pub corpus_read: Option<(u64, String)>,
+    /// a split model's shards after the first (-m), recorded in the manifest
+    pub model_shards: Vec<PathBuf>,
 }
 
 impl Plan {
@@ -133,7 +135,7 @@ impl Plan {
         if args.trace_top_n == Some(0) {
             bail!(UsageError("--trace-top-n must be at least 1".into()));
         }
-        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, output_in_place, corpus_read: None, args })
+        Ok(Plan { n_ctx, n_seq, n_kv, n_batch, format, in_files, prompt_file, reap_out, output_in_place, corpus_read: None, model_shards: Vec::new(), args })
     }
 
     /// Every file the run will write, with the flag that names it.
@@ -1016,6 +1018,9 @@ fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&
     use crate::formats::manifest::Manifest;
     let cwd = std::env::current_dir().context("reading the working folder")?;
     let mut inputs = vec![model];
+    for p in &plan.model_shards {
+        inputs.push(FileRecord::of("model_shard", p, &cwd)?);
+    }
     if let Some(f) = &plan.args.file {
         inputs.push(match &plan.corpus_read {
             Some((size, sha256)) => FileRecord { role: "corpus".into(), path: f.clone(), size: *size, sha256: sha256.clone() },

@@ -27,7 +27,9 @@ pub fn before_loading(plan: &mut super::Plan) -> Result<(PathBuf, ModelHeader, O
     let model = plan.args.model.clone().ok_or_else(|| usage("-m/--model is required".into()))?;
     let header = crate::formats::gguf_header::read_model("-m", &model)?;
     against_model(&plan.args, &model, &header)?;
+    plan.model_shards = header.shards.iter().skip(1).cloned().collect();
     let mut inputs = vec![("-m", model.clone())];
+    inputs.extend(plan.model_shards.iter().map(|p| ("-m", p.clone())));
     inputs.extend(plan.args.file.iter().map(|f| ("-f", f.clone())));
     inputs.extend(plan.in_files.iter().map(|f| ("--in-file", f.clone())));
     inputs.extend(plan.args.domains.iter().map(|f| ("--domains", f.clone())));

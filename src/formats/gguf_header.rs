@@ -48,8 +48,11 @@ pub struct ModelHeader {
     pub n_expert_used: u32,
     /// the per-layer values where `expert_used_count` is an array (Nemotron-H Puzzle), else empty
     pub n_expert_used_per_layer: Vec<u32>,
-    /// tensor name → ne (ggml order, unused dimensions 1)
+    /// tensor name → ne (ggml order, unused dimensions 1), of every shard of a split model
     pub tensors: BTreeMap<String, [i64; 4]>,
+    /// a split model (`split.count` > 1, as `llama-gguf-split` writes it): every shard's path,
+    /// the first (the one given) first; empty for a single file
+    pub shards: Vec<std::path::PathBuf>,
 }
 
 impl ModelHeader {
@@ -71,9 +74,56 @@ fn bad(flag: &str, path: &Path, what: impl std::fmt::Display) -> anyhow::Error {
     anyhow!(UsageError(format!("{flag} {}: {what}", path.display())))
 }
 
-/// Reads and checks the header of the model `path` given by `flag` (`-m`, `--base`, …).
-/// Every error is a [UsageError] naming the flag, the file and what is wrong.
+/// The paths of every shard of a split model, as llama.cpp finds them (`llama_split_prefix`,
+/// `llama_split_path`): the given shard `no` (0-based) of `count` must be named
+/// `PREFIX-NNNNN-of-CCCCC.gguf`, and shard i is `PREFIX-{i+1:05}-of-{count:05}.gguf`.
+pub fn split_paths(path: &Path, no: u64, count: u64) -> std::result::Result<Vec<std::path::PathBuf>, String> {
+    let suffix = format!("-{:05}-of-{count:05}.gguf", no + 1);
+    let s = path.as_os_str().to_string_lossy();
+    let prefix = s.strip_suffix(&suffix).ok_or_else(|| format!("shard {} of {count} of a split model, but not named *{suffix} (llama.cpp finds the other shards by that name)", no + 1))?;
+    Ok((1..=count).map(|i| std::path::PathBuf::from(format!("{prefix}-{i:05}-of-{count:05}.gguf"))).collect())
+}
+
+/// Reads and checks the header of the model `path` given by `flag` (`-m`, `--base`, …): of a
+/// split model, the first shard's keys and every shard's tensors (each shard checked as the
+/// file is). Every error is a [UsageError] naming the flag, the file and what is wrong.
 pub fn read_model(flag: &str, path: &Path) -> Result<ModelHeader> {
+    let mut h = read_one(flag, path, true)?;
+    let Some((no, count)) = h.split else { return Ok(h.header) };
+    if no != 0 {
+        let first = split_paths(path, no, count).ok().map_or_else(|| "the first shard".into(), |p| p[0].display().to_string());
+        return Err(bad(flag, path, format!("shard {} of {count} of a split model: give the first shard ({first}); llama.cpp loads a split model from it", no + 1)));
+    }
+    let paths = split_paths(path, no, count).map_err(|e| bad(flag, path, e))?;
+    for p in &paths[1..] {
+        let shard = read_one(flag, p, false)?;
+        if shard.split.map(|s| s.1) != Some(count) {
+            return Err(bad(flag, p, format!("not a shard of the {count}-file split model {} (its split.count differs)", path.display())));
+        }
+        for (name, ne) in shard.header.tensors {
+            if h.header.tensors.insert(name.clone(), ne).is_some() {
+                return Err(bad(flag, p, format!("tensor {name} is in an earlier shard too")));
+            }
+        }
+    }
+    if let Some(n) = h.tensor_count.filter(|&n| n != h.header.tensors.len() as u64) {
+        return Err(bad(flag, path, format!("split.tensors.count says {n} tensors, the {count} shards hold {}", h.header.tensors.len())));
+    }
+    h.header.shards = paths;
+    Ok(h.header)
+}
+
+/// One file's header, and its `split.no`/`split.count` where `split.count` > 1.
+struct OneFile {
+    header: ModelHeader,
+    split: Option<(u64, u64)>,
+    /// `split.tensors.count`
+    tensor_count: Option<u64>,
+}
+
+/// Reads one GGUF file's header: its tensors, and with `keys` the architecture and expert
+/// counts (a shard after the first holds the split keys only).
+fn read_one(flag: &str, path: &Path, keys: bool) -> Result<OneFile> {
     let meta = std::fs::metadata(path).map_err(|e| bad(flag, path, format!("cannot read the model file: {e}")))?;
     if meta.is_dir() {
         return Err(bad(flag, path, "is a folder, not a model file"));
@@ -120,6 +170,18 @@ pub fn read_model(flag: &str, path: &Path) -> Result<ModelHeader> {
                 _ => None,
             }
         };
+        let split = int_kv("split.count").filter(|&n| n > 1).map(|n| (int_kv("split.no").unwrap_or(0), n));
+        let tensor_count = int_kv("split.tensors.count");
+        // a later shard holds the split keys only (read_model refuses it as -m, by its number)
+        if !keys || split.is_some_and(|(no, _)| no != 0) {
+            for i in 0..sys::gguf_get_n_tensors(g.0) {
+                let name = CStr::from_ptr(sys::gguf_get_tensor_name(g.0, i)).to_string_lossy().into_owned();
+                let ne = std::slice::from_raw_parts(sys::gguf_get_tensor_ne(g.0, i), 4);
+                h.tensors.insert(name, [ne[0], ne[1], ne[2], ne[3]]);
+            }
+            check_length(flag, path, g.0, meta.len())?;
+            return Ok(OneFile { header: h, split, tensor_count });
+        }
         h.arch = str_kv("general.architecture").ok_or_else(|| bad(flag, path, "no general.architecture in its header"))?;
         h.n_expert = int_kv(&format!("{}.expert_count", h.arch)).unwrap_or(0).min(u32::MAX as u64) as u32;
         let used_key = format!("{}.expert_used_count", h.arch);
@@ -143,23 +205,28 @@ pub fn read_model(flag: &str, path: &Path) -> Result<ModelHeader> {
             let ne = std::slice::from_raw_parts(sys::gguf_get_tensor_ne(g.0, i), 4);
             h.tensors.insert(name, [ne[0], ne[1], ne[2], ne[3]]);
         }
-        let data_end = data_end(g.0);
-        if data_end > meta.len() {
+        check_length(flag, path, g.0, meta.len())?;
+        if !KNOWN_ARCHS.contains(&h.arch.as_str()) {
             return Err(bad(
                 flag,
                 path,
-                format!("truncated: its tensors need {data_end} bytes but the file has {} (an interrupted download or copy?)", meta.len()),
+                format!("architecture '{}' is not known to the pinned llama.cpp ({}), so it cannot load this model", h.arch, crate::llama::PIN_COMMIT),
             ));
         }
+        Ok(OneFile { header: h, split, tensor_count })
     }
-    if !KNOWN_ARCHS.contains(&h.arch.as_str()) {
-        return Err(bad(
-            flag,
-            path,
-            format!("architecture '{}' is not known to the pinned llama.cpp ({}), so it cannot load this model", h.arch, crate::llama::PIN_COMMIT),
-        ));
+}
+
+/// A file shorter than its tensors need.
+///
+/// # Safety
+/// `g` is a live gguf context.
+unsafe fn check_length(flag: &str, path: &Path, g: *mut sys::gguf_context, len: u64) -> Result<()> {
+    let end = unsafe { data_end(g) };
+    if end > len {
+        return Err(bad(flag, path, format!("truncated: its tensors need {end} bytes but the file has {len} (an interrupted download or copy?)")));
     }
-    Ok(h)
+    Ok(())
 }
 
 /// Where the last tensor's data ends.
@@ -223,5 +290,18 @@ mod tests {
         let body = &text[start..start + text[start..].find("\n};").unwrap()];
         let names: Vec<&str> = body.lines().filter_map(|l| l.split('"').nth(1)).filter(|n| *n != "(unknown)").collect();
         assert_eq!(names, KNOWN_ARCHS);
+    }
+
+    /// llama.cpp's naming (`llama_split_path`: `%s-%05d-of-%05d.gguf`), from any shard's name.
+    #[test]
+    fn split_paths_are_llama_cpps() {
+        let p = |s: &str| std::path::PathBuf::from(s);
+        let want = vec![p("/m/DeepSeek-V3-Q4_K-00001-of-00003.gguf"), p("/m/DeepSeek-V3-Q4_K-00002-of-00003.gguf"), p("/m/DeepSeek-V3-Q4_K-00003-of-00003.gguf")];
+        assert_eq!(split_paths(Path::new("/m/DeepSeek-V3-Q4_K-00001-of-00003.gguf"), 0, 3).unwrap(), want);
+        assert_eq!(split_paths(Path::new("/m/DeepSeek-V3-Q4_K-00002-of-00003.gguf"), 1, 3).unwrap(), want);
+        // a renamed shard: llama.cpp could not find the others either
+        let e = split_paths(Path::new("/m/model.gguf"), 0, 3).unwrap_err();
+        assert!(e.contains("not named *-00001-of-00003.gguf"), "{e}");
+        assert!(split_paths(Path::new("/m/x-00001-of-00004.gguf"), 0, 3).is_err());
     }
 }

@@ -17,6 +17,7 @@ mod progress;
 mod prune;
 mod replay;
 mod select;
+mod split;
 mod reap;
 mod trampoline;
 mod util;

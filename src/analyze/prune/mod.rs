@@ -141,6 +141,44 @@ struct Source {
     header: Header,
 }
 
+/// A split model (`llama-gguf-split`): the shards after the first, found as llama.cpp finds
+/// them, and each tensor's place, in the order of the first shard's header with the others'
+/// tensors appended (the order `llama-gguf-split --merge` writes them in).
+struct Shards {
+    more: Vec<(PathBuf, Source)>,
+    /// per tensor of the merged header: (shard, absolute offset of its data in that shard)
+    places: Vec<(usize, u64)>,
+}
+
+/// The shards of `first` where it is the first of a split model, its header extended by the
+/// other shards' tensors; None for a single file (or a merged one: `split.count` 0).
+fn open_shards(first: &mut Source, model: &Path) -> Result<Option<Shards>> {
+    let (h, b) = (&first.header, &first.map[..]);
+    let Some(count) = h.uint(b, "split.count").filter(|&n| n > 1) else { return Ok(None) };
+    let no = h.uint(b, "split.no").unwrap_or(0);
+    let bad = |e: String| usage(format!("-m {}: {e}", model.display()));
+    if no != 0 {
+        return Err(bad(format!("shard {} of {count} of a split model: give the first shard, which holds the model's keys", no + 1)));
+    }
+    let paths = crate::formats::gguf_header::split_paths(model, no, count).map_err(bad)?;
+    let mut places: Vec<(usize, u64)> = first.header.tensors.iter().map(|t| (0, first.header.data_start + t.offset)).collect();
+    let mut more = Vec::new();
+    for (i, p) in paths.into_iter().enumerate().skip(1) {
+        let s = open_gguf(&p, "-m (a shard)")?;
+        if s.header.uint(&s.map, "split.count") != Some(count) || s.header.uint(&s.map, "split.no") != Some(i as u64) {
+            return Err(usage(format!("-m (a shard) {}: not shard {} of the {count}-file split model {}", p.display(), i + 1, model.display())));
+        }
+        places.extend(s.header.tensors.iter().map(|t| (i, s.header.data_start + t.offset)));
+        first.header.tensors.extend(s.header.tensors.iter().cloned());
+        more.push((p, s));
+    }
+    let total = first.header.tensors.len() as u64;
+    if let Some(n) = first.header.uint(&first.map, "split.tensors.count").filter(|&n| n != total) {
+        return Err(bad(format!("split.tensors.count says {n} tensors, the {count} shards hold {total}")));
+    }
+    Ok(Some(Shards { more, places }))
+}
+
 fn open_gguf(path: &Path, what: &str) -> Result<Source> {
     let file = std::fs::File::open(path).map_err(|e| usage(format!("{what} {}: {e}", path.display())))?;
     // SAFETY: read-only map; a file changed underneath would give wrong bytes, not unsafety in
@@ -277,15 +315,14 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let model_arg = opts.model.display();
     check_outputs(opts)?;
     let map = KeepMap::read(&opts.keep_map).map_err(|e| usage(format!("--keep-map: {e:#}")))?;
-    let src = open_gguf(&opts.model, "-m")?;
-    let (h, b) = (&src.header, &src.map[..]);
-    if let Some(n) = h.uint(b, "split.count").filter(|&n| n > 1) {
-        let no = h.uint(b, "split.no").map_or(String::from("?"), |i| (i + 1).to_string());
-        return Err(usage(format!(
-            "-m {model_arg}: shard {no} of {n} of a split GGUF; prune reads one file: merge the shards first \
-             (`llama-gguf-split --merge FIRST-00001-of-0000{n}.gguf merged.gguf`) and split the pruned model again if needed"
-        )));
+    let mut src = open_gguf(&opts.model, "-m")?;
+    let shards = open_shards(&mut src, &opts.model)?;
+    if let Some(s) = &shards {
+        if let Some((p, _)) = s.more.iter().find(|(p, _)| atomic::same_file(p, &opts.out)) {
+            return Err(usage(format!("-o {}: is the model's shard {}", opts.out.display(), p.display())));
+        }
     }
+    let (h, b) = (&src.header, &src.map[..]);
     let arch = h.string(b, "general.architecture").ok_or_else(|| usage(format!("-m {model_arg}: no general.architecture")))?;
     let count_key = format!("{arch}.expert_count");
     let n_expert = h
@@ -349,12 +386,24 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     }
     let per_expert = |name: &str| if kept_tensor(name) { plan::model_per_expert(name) } else { Ok(None) };
     let mut steps = plan::plan(h, per_expert, &blocks, k, n_expert).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
+    if let Some(s) = &shards {
+        // one step per tensor, in the merged header's order
+        for (step, &(shard, start)) in steps.iter_mut().zip(&s.places) {
+            (step.shard, step.src_start) = (shard, start);
+        }
+    }
     let tensors_dropped = steps.len();
     steps.retain(|s| kept_tensor(&s.src.name));
     let tensors_dropped = tensors_dropped - steps.len();
     let count_kv = h.kv(&count_key).unwrap();
     let new_count = Header::encode_uint(count_kv, k as u64).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
     let mut replaced: Vec<(String, Option<Vec<u8>>)> = vec![(count_key.clone(), Some(new_count))];
+    if shards.is_some() {
+        // one file now, with the first shard's keys: split.count 0, as llama-gguf-split --merge
+        // writes it (so llama.cpp reads it as one file, and a merge-then-prune gives these bytes)
+        let kv = h.kv("split.count").unwrap();
+        replaced.push(("split.count".into(), Some(Header::encode_uint(kv, 0).map_err(|e| usage(format!("-m {model_arg}: {e}")))?)));
+    }
     if opts.drop_nextn {
         replaced.extend(no_mtp_kvs(h, b, &arch, nextn.len() as u64).map_err(|e| usage(format!("-m {model_arg}: --drop-nextn: {e}")))?);
     }
@@ -402,7 +451,7 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         moe_layers: blocks.clone(),
         tensors: steps.len(),
         tensors_sliced: steps.iter().filter(|s| s.slice.is_some()).count(),
-        bytes_in: src.map.len() as u64,
+        bytes_in: src.map.len() as u64 + shards.as_ref().map_or(0, |s| s.more.iter().map(|(_, m)| m.map.len() as u64).sum()),
         bytes_out,
         imatrix_entries_sliced,
         nextn_dropped: dropped.clone(),
@@ -418,19 +467,22 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let mut bytes_out = 0;
     atomic::replace_together(&targets, |i, tmp| {
         if i == 0 {
-            bytes_out = write_gguf(tmp, &src, &kvs, &steps, &keep).with_context(|| format!("writing {}", opts.out.display()))?;
+            let more = shards.as_ref().map_or(&[][..], |s| &s.more[..]);
+            bytes_out = write_gguf(tmp, &src, more, &kvs, &steps, &keep).with_context(|| format!("writing {}", opts.out.display()))?;
         } else if let Some((im, steps, out)) = &imatrix {
             let kvs: Vec<&[u8]> = im.header.kvs.iter().map(|kv| &im.map[kv.raw.clone()]).collect();
-            write_gguf(tmp, im, &kvs, steps, &keep).with_context(|| format!("writing {}", out.display()))?;
+            write_gguf(tmp, im, &[], &kvs, steps, &keep).with_context(|| format!("writing {}", out.display()))?;
         }
         Ok(())
     })?;
     Ok(report(bytes_out))
 }
 
-/// Writes `src` with the pairs `kvs` and the planned tensors to `tmp` (renamed by the caller).
-fn write_gguf(tmp: &Path, src: &Source, kvs: &[&[u8]], steps: &[plan::Step], keep: &[Vec<u16>]) -> Result<u64> {
+/// Writes `src` (and a split model's further shards `more`) with the pairs `kvs` and the
+/// planned tensors to `tmp` (renamed by the caller).
+fn write_gguf(tmp: &Path, src: &Source, more: &[(PathBuf, Source)], kvs: &[&[u8]], steps: &[plan::Step], keep: &[Vec<u16>]) -> Result<u64> {
     let infos: Vec<TensorInfo> = steps.iter().map(|s| s.out.clone()).collect();
     let (header, offsets) = encode_header(src.header.version, kvs, &infos, src.header.alignment);
-    stream::write(tmp, &src.map, &src.file, &header, steps, &offsets, keep, src.header.alignment)
+    let srcs: Vec<(&Mmap, &std::fs::File)> = std::iter::once(src).chain(more.iter().map(|(_, s)| s)).map(|s| (&s.map, &s.file)).collect();
+    stream::write(tmp, &srcs, &header, steps, &offsets, keep, src.header.alignment)
 }

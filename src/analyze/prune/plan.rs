@@ -98,8 +98,10 @@ pub fn moe_blocks(h: &Header) -> Vec<u32> {
 /// One tensor of the output.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Step {
-    /// the source tensor, its offset made absolute (file offset)
+    /// the source tensor, its offset made absolute (file offset in its shard)
     pub src_start: u64,
+    /// the shard of a split model holding it (0: the first, or the only file)
+    pub shard: usize,
     pub src: TensorInfo,
     /// the output tensor's info (offset filled in by the header encoder)
     pub out: TensorInfo,
@@ -121,7 +123,7 @@ pub fn plan(
     for t in &h.tensors {
         let src_start = h.data_start + t.offset;
         let Some(block) = per_expert(&t.name)? else {
-            steps.push(Step { src_start, src: t.clone(), out: t.clone(), slice: None });
+            steps.push(Step { src_start, shard: 0, src: t.clone(), out: t.clone(), slice: None });
             continue;
         };
         let slot = blocks
@@ -141,7 +143,7 @@ pub fn plan(
         }
         let mut out = t.clone();
         out.ne[axis] = k as u64;
-        steps.push(Step { src_start, src: t.clone(), out, slice: Some((slot, nbytes / n_expert)) });
+        steps.push(Step { src_start, shard: 0, src: t.clone(), out, slice: Some((slot, nbytes / n_expert)) });
     }
     Ok(steps)
 }

@@ -21,15 +21,18 @@ use std::path::Path;
 const WINDOW: usize = 16 << 20;
 
 /// Writes `header` (which already holds the output tensor infos and the padding to the data
-/// section), then each step's data: whole, or the kept experts' runs in ascending id order,
-/// each tensor padded to `alignment`. `offsets` are the output offsets the header promised;
-/// they are checked as the file is written. Returns the bytes written.
-pub fn write(path: &Path, src: &Mmap, src_file: &File, header: &[u8], steps: &[Step], offsets: &[u64], keep: &[Vec<u16>], alignment: u64) -> Result<u64> {
+/// section), then each step's data (from its shard of `srcs`): whole, or the kept experts'
+/// runs in ascending id order, each tensor padded to `alignment`. `offsets` are the output
+/// offsets the header promised; they are checked as the file is written. Returns the bytes
+/// written.
+pub fn write(path: &Path, srcs: &[(&Mmap, &File)], header: &[u8], steps: &[Step], offsets: &[u64], keep: &[Vec<u16>], alignment: u64) -> Result<u64> {
     let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
     // REAP_PRUNE_COPY=map forces the mapped copy (the fallback; tested against the kernel copy)
     let mut kernel_copy = std::env::var("REAP_PRUNE_COPY").map_or(true, |v| v != "map");
-    let _ = src.advise(memmap2::Advice::Sequential);
+    for (src, _) in srcs {
+        let _ = src.advise(memmap2::Advice::Sequential);
+    }
     let err = || format!("writing {}", path.display());
     // bytes copied, on the progress line once the copy runs longer than about two seconds
     let total = header.len() as u64 + steps.iter().map(|s| pad(s.out.nbytes(), alignment)).sum::<u64>();
@@ -41,6 +44,7 @@ pub fn write(path: &Path, src: &Mmap, src_file: &File, header: &[u8], steps: &[S
     for (step, &offset) in steps.iter().zip(offsets) {
         anyhow::ensure!(written == header.len() as u64 + offset, "internal error: {} would land at {written}", step.out.name);
         let start = step.src_start as usize;
+        let (src, src_file) = srcs[step.shard];
         let n = match step.slice {
             None => {
                 copy(src, src_file, &mut kernel_copy, start, step.src.nbytes() as usize, &mut w).with_context(err)?;
