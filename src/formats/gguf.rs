@@ -286,6 +286,24 @@ impl Header {
     }
 }
 
+/// A u16 pair (`split.no`, `split.count` as llama-gguf-split writes them).
+pub fn encode_u16_kv(key: &str, v: u16) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_str(&mut out, key);
+    out.extend_from_slice(&TYPE_U16.to_le_bytes());
+    out.extend_from_slice(&v.to_le_bytes());
+    out
+}
+
+/// An i32 pair (`split.tensors.count`).
+pub fn encode_i32_kv(key: &str, v: i32) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_str(&mut out, key);
+    out.extend_from_slice(&TYPE_I32.to_le_bytes());
+    out.extend_from_slice(&v.to_le_bytes());
+    out
+}
+
 impl Header {
     /// The length of an array value (None for a scalar).
     pub fn array_len(&self, b: &[u8], key: &str) -> Option<u64> {

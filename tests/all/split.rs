@@ -1,7 +1,8 @@
 //! Split models (`llama-gguf-split`, `PREFIX-00001-of-0000N.gguf`), as models of hundreds of
 //! billions of parameters are published: calibration reads every shard's header, records every
 //! shard in the manifest, and gives the merged model's files; `prune` reads the shards in place
-//! and writes one file, byte for byte what pruning the merged model writes.
+//! and writes one file, byte for byte what pruning the merged model writes, or shards, byte for
+//! byte what llama-gguf-split makes of that file.
 
 use super::util::*;
 use reap_imatrix::formats::saliency::Saliency;
@@ -67,7 +68,42 @@ fn a_split_model_calibrates_and_prunes_as_the_merged_one() {
     let (ps, pm) = (prune("run-split", &first, "p.gguf"), prune("run-merged", &merged, "p.gguf"));
     assert_same_bytes(&ps, &pm);
     assert_same_bytes(&d.join("run-split/p.imatrix.gguf"), &d.join("run-merged/p.imatrix.gguf"));
-    assert!(super::prune::upstream_ppl(&ps).is_finite());
+    let ppl = super::prune::upstream_ppl(&ps);
+    assert!(ppl.is_finite());
+
+    // and written as shards: the files llama-gguf-split makes of the one-file output, by
+    // tensor count and by size, which upstream runs to the same perplexity
+    for (i, rule) in [["--split-max-tensors", "20"], ["--split-max-size", "20M"]].iter().enumerate() {
+        let (ours_dir, up_dir) = (d.join(format!("shards-{i}")), d.join(format!("upstream-{i}")));
+        std::fs::create_dir_all(&ours_dir).unwrap();
+        std::fs::create_dir_all(&up_dir).unwrap();
+        let out = run_ok(Command::new(ours()).current_dir(d.join("run-split")).args(["prune", "-m"]).arg(&first).args(["--keep-map", "maps/keep_reap_mean_k16.json", "-o"]).arg(ours_dir.join("p.gguf")).args(rule));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("shards)"), "{}", String::from_utf8_lossy(&out.stdout));
+        run_ok(Command::new(reference_bin("llama-gguf-split")).arg("--split").args(rule).arg(&ps).arg(up_dir.join("p")));
+        let names = |dir: &Path| {
+            let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            v.sort();
+            v
+        };
+        let (ours_names, up_names) = (names(&ours_dir), names(&up_dir));
+        assert_eq!(ours_names, up_names, "{rule:?}");
+        assert!(ours_names.len() >= 2, "{rule:?}: {ours_names:?}");
+        for name in &ours_names {
+            assert_same_bytes(&ours_dir.join(name), &up_dir.join(name));
+        }
+        assert_eq!(super::prune::upstream_ppl(&ours_dir.join(&ours_names[0])), ppl, "{rule:?}");
+    }
+    // a shard already there (not replaced without --force), a first tensor over the size
+    let again = run(Command::new(ours()).current_dir(d.join("run-split")).args(["prune", "-m"]).arg(&first).args(["--keep-map", "maps/keep_reap_mean_k16.json", "-o"]).arg(d.join("shards-0/p.gguf")).args(["--split-max-tensors", "20"]));
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(2), "{err}");
+    assert!(err.contains("shards-0/p-00001-of-") && err.contains("already exists (pass --force to replace it)"), "{err}");
+    for (size, want) in [("1M", "exceed --split-max-size: the first shard would hold no tensor"), ("5K", "--split-max-size 5K: expected N followed by M or G")] {
+        let r = run(Command::new(ours()).current_dir(d.join("run-split")).args(["prune", "-m"]).arg(&first).args(["--keep-map", "maps/keep_reap_mean_k16.json", "-o", "small.gguf", "--split-max-size", size]));
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert_eq!(r.status.code(), Some(2), "{err}");
+        assert!(err.contains(want), "{want}: {err}");
+    }
 }
 
 /// A later shard given as -m, a shard missing, an output over a shard: refused by name before

@@ -6,6 +6,7 @@
 //! temporary file beside the output and renamed into place, and the imatrix the same way.
 
 pub mod plan;
+pub mod split;
 pub mod stream;
 
 use crate::analyze::select::keep_map::KeepMap;
@@ -48,6 +49,14 @@ pub struct PruneArgs {
     /// then needs a separate MTP GGUF
     #[arg(long = "drop-nextn")]
     pub drop_nextn: bool,
+    /// Write the model as shards of at most N tensors, OUT-00001-of-0000K.gguf … (the files
+    /// `llama-gguf-split --split --split-max-tensors N` would make of OUT.gguf)
+    #[arg(long = "split-max-tensors", value_name = "N", conflicts_with = "split_max_size")]
+    pub split_max_tensors: Option<usize>,
+    /// Write the model as shards of at most N megabytes (M) or gigabytes (G) of tensor data
+    /// (10^6, 10^9 bytes; as `llama-gguf-split --split --split-max-size` cuts)
+    #[arg(long = "split-max-size", value_name = "N(M|G)")]
+    pub split_max_size: Option<String>,
 }
 
 /// What to prune: the library entry point's input (`eval --keep-map` prunes through it).
@@ -64,6 +73,8 @@ pub struct PruneOptions {
     pub dry_run: bool,
     /// leave the nextn/MTP blocks out (`--drop-nextn`)
     pub drop_nextn: bool,
+    /// write shards (`--split-max-tensors`, `--split-max-size`) instead of `out` itself
+    pub split: Option<split::SplitRule>,
 }
 
 /// What was written.
@@ -86,6 +97,9 @@ pub struct PruneReport {
     /// nextn/MTP blocks left out (`--drop-nextn`), and the model tensors they held
     pub nextn_dropped: Vec<u32>,
     pub tensors_dropped: usize,
+    /// the shards written (or, with `dry_run`, to be written) in place of `out`; empty without
+    /// a split rule
+    pub shards: Vec<PathBuf>,
 }
 
 fn usage(msg: String) -> anyhow::Error {
@@ -93,7 +107,14 @@ fn usage(msg: String) -> anyhow::Error {
 }
 
 pub fn run(args: &PruneArgs) -> Result<i32> {
+    let split = match (args.split_max_tensors, &args.split_max_size) {
+        (Some(0), _) => return Err(usage("--split-max-tensors 0: at least 1".into())),
+        (Some(n), _) => Some(split::SplitRule::Tensors(n)),
+        (None, Some(s)) => Some(split::SplitRule::Bytes(split::parse_size(s).map_err(usage)?)),
+        (None, None) => None,
+    };
     let opts = PruneOptions {
+        split,
         model: args.model.clone(),
         keep_map: args.keep_map.clone(),
         out: args.out.clone(),
@@ -118,9 +139,13 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
         );
         return Ok(0);
     }
+    let written = match &r.shards[..] {
+        [] => args.out.display().to_string(),
+        [first, .., last] => format!("{} … {} ({} shards)", first.display(), last.display(), r.shards.len()),
+        [one] => format!("{} (1 shard)", one.display()),
+    };
     println!(
-        "prune: {} ({}): {shape}; {} of {} tensors sliced; {:.1} MiB → {:.1} MiB in {:.2} s",
-        args.out.display(),
+        "prune: {written} ({}): {shape}; {} of {} tensors sliced; {:.1} MiB → {:.1} MiB in {:.2} s",
         r.arch,
         r.tensors_sliced,
         r.tensors,
@@ -203,6 +228,10 @@ fn check_outputs(opts: &PruneOptions) -> Result<()> {
                 let what = if oi > 0 && outputs[..oi].iter().any(|(g, _)| g == f) { "two outputs must be two files" } else { "an output must not overwrite an input" };
                 return Err(usage(format!("{of} {}: the same file as {f} ({what})", o.display())));
             }
+        }
+        // split, -o names the shards' prefix: each shard is checked once their count is known
+        if oi == 0 && opts.split.is_some() {
+            continue;
         }
         if o.exists() && !opts.force {
             return Err(usage(format!("{of} {}: already exists (pass --force to replace it)", o.display())));
@@ -407,14 +436,15 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     if opts.drop_nextn {
         replaced.extend(no_mtp_kvs(h, b, &arch, nextn.len() as u64).map_err(|e| usage(format!("-m {model_arg}: --drop-nextn: {e}")))?);
     }
-    let kvs: Vec<&[u8]> = h
+    let named_kvs: Vec<(&str, &[u8])> = h
         .kvs
         .iter()
         .filter_map(|kv| match replaced.iter().find(|(key, _)| *key == kv.key) {
-            Some((_, new)) => new.as_deref(),
-            None => Some(&b[kv.raw.clone()]),
+            Some((_, new)) => new.as_deref().map(|n| (kv.key.as_str(), n)),
+            None => Some((kv.key.as_str(), &b[kv.raw.clone()])),
         })
         .collect();
+    let kvs: Vec<&[u8]> = named_kvs.iter().map(|(_, v)| *v).collect();
 
     // the imatrix: parsed and planned before anything is written
     let imatrix = match &opts.imatrix {
@@ -443,6 +473,10 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         }
     };
 
+    let split_plan = match opts.split {
+        None => None,
+        Some(rule) => Some(plan_shards(opts, rule, &steps, &src, shards.as_ref())?),
+    };
     let imatrix_entries_sliced = imatrix.as_ref().map(|(_, steps, _)| steps.iter().filter(|s| s.slice.is_some()).count());
     let report = |bytes_out| PruneReport {
         arch: arch.clone(),
@@ -456,18 +490,29 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         imatrix_entries_sliced,
         nextn_dropped: dropped.clone(),
         tensors_dropped,
+        shards: split_plan.as_ref().map_or_else(Vec::new, |(_, paths)| paths.clone()),
     };
     if opts.dry_run {
         return Ok(report(0));
     }
     // the model and its imatrix are replaced together: a failed imatrix write must not leave
     // a new model beside an old imatrix of the same name (which would quantize without a word)
-    let mut targets: Vec<&Path> = vec![&opts.out];
+    let mut targets: Vec<&Path> = match &split_plan {
+        Some((_, paths)) => paths.iter().map(|p| p.as_path()).collect(),
+        None => vec![&opts.out],
+    };
+    let n_model = targets.len();
     targets.extend(imatrix.as_ref().map(|(_, _, out)| out.as_path()));
     let mut bytes_out = 0;
+    let more = shards.as_ref().map_or(&[][..], |s| &s.more[..]);
     atomic::replace_together(&targets, |i, tmp| {
-        if i == 0 {
-            let more = shards.as_ref().map_or(&[][..], |s| &s.more[..]);
+        if let (true, Some((of, _))) = (i < n_model, &split_plan) {
+            // shard i: its tensors, the first shard's keys or none, the split keys
+            let mine: Vec<plan::Step> = steps.iter().zip(of).filter(|(_, &s)| s == i).map(|(st, _)| st.clone()).collect();
+            let shard_kvs = split::shard_kvs(&named_kvs, i, n_model, steps.len());
+            let refs: Vec<&[u8]> = shard_kvs.iter().map(|v| v.as_slice()).collect();
+            bytes_out += write_gguf(tmp, &src, more, &refs, &mine, &keep).with_context(|| format!("writing {}", targets[i].display()))?;
+        } else if i == 0 {
             bytes_out = write_gguf(tmp, &src, more, &kvs, &steps, &keep).with_context(|| format!("writing {}", opts.out.display()))?;
         } else if let Some((im, steps, out)) = &imatrix {
             let kvs: Vec<&[u8]> = im.header.kvs.iter().map(|kv| &im.map[kv.raw.clone()]).collect();
@@ -476,6 +521,37 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         Ok(())
     })?;
     Ok(report(bytes_out))
+}
+
+/// `--split-max-tensors`, `--split-max-size`: each output tensor's shard, and the shards'
+/// paths, each checked as `-o` is (not an input, not existing without `--force`, writable).
+fn plan_shards(opts: &PruneOptions, rule: split::SplitRule, steps: &[plan::Step], src: &Source, shards: Option<&Shards>) -> Result<(Vec<usize>, Vec<PathBuf>)> {
+    if src.header.alignment != 32 {
+        return Err(usage(format!("-m {}: general.alignment {}: llama-gguf-split lays shards out at 32 bytes", opts.model.display(), src.header.alignment)));
+    }
+    let sizes: Vec<u64> = steps.iter().map(|s| s.out.nbytes()).collect();
+    let of = split::assign(rule, &sizes).map_err(usage)?;
+    let n = of.last().map_or(1, |&s| s + 1);
+    if n > u16::MAX as usize {
+        return Err(usage(format!("-o {}: {n} shards; split.count holds at most {}", opts.out.display(), u16::MAX)));
+    }
+    let paths: Vec<PathBuf> = (0..n).map(|i| split::shard_path(&opts.out, i, n)).collect();
+    let mut inputs: Vec<(&str, &Path)> = vec![("-m", &opts.model), ("--keep-map", &opts.keep_map)];
+    inputs.extend(shards.iter().flat_map(|s| s.more.iter().map(|(p, _)| ("-m (a shard)", p.as_path()))));
+    if let Some((i, o)) = &opts.imatrix {
+        inputs.push(("--imatrix", i));
+        inputs.push(("--imatrix-out", o));
+    }
+    for p in &paths {
+        if let Some((f, i)) = inputs.iter().find(|(_, i)| atomic::same_file(p, i)) {
+            return Err(usage(format!("-o: the shard {} is the same file as {f} {}", p.display(), i.display())));
+        }
+        if p.exists() && !opts.force {
+            return Err(usage(format!("-o: the shard {} already exists (pass --force to replace it)", p.display())));
+        }
+        atomic::check_writable(p).map_err(|e| usage(format!("-o {e}")))?;
+    }
+    Ok((of, paths))
 }
 
 /// Writes `src` (and a split model's further shards `more`) with the pairs `kvs` and the
