@@ -286,22 +286,23 @@ impl Header {
     }
 }
 
-/// A u16 pair (`split.no`, `split.count` as llama-gguf-split writes them).
-pub fn encode_u16_kv(key: &str, v: u16) -> Vec<u8> {
+/// A scalar pair: the key, the type, the value's little-endian bytes.
+fn encode_scalar_kv(key: &str, ty: u32, value: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     put_str(&mut out, key);
-    out.extend_from_slice(&TYPE_U16.to_le_bytes());
-    out.extend_from_slice(&v.to_le_bytes());
+    out.extend_from_slice(&ty.to_le_bytes());
+    out.extend_from_slice(value);
     out
+}
+
+/// A u16 pair (`split.no`, `split.count` as llama-gguf-split writes them).
+pub fn encode_u16_kv(key: &str, v: u16) -> Vec<u8> {
+    encode_scalar_kv(key, TYPE_U16, &v.to_le_bytes())
 }
 
 /// An i32 pair (`split.tensors.count`).
 pub fn encode_i32_kv(key: &str, v: i32) -> Vec<u8> {
-    let mut out = Vec::new();
-    put_str(&mut out, key);
-    out.extend_from_slice(&TYPE_I32.to_le_bytes());
-    out.extend_from_slice(&v.to_le_bytes());
-    out
+    encode_scalar_kv(key, TYPE_I32, &v.to_le_bytes())
 }
 
 impl Header {
