@@ -131,11 +131,15 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
     }
     if args.dry_run {
         println!(
-            "prune: --dry-run: {} ({}) fits the map: {shape}, {} of {} tensors to slice; nothing written",
+            "prune: --dry-run: {} ({}) fits the map: {shape}, {} of {} tensors to slice{}; nothing written",
             args.model.display(),
             r.arch,
             r.tensors_sliced,
-            r.tensors
+            r.tensors,
+            match r.shards.len() {
+                0 => String::new(),
+                n => format!(", in {n} shards from {}", r.shards[0].display()),
+            }
         );
         return Ok(0);
     }
@@ -386,7 +390,7 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         return Err(usage(format!(
             "--keep-map {}: no entry for the model's nextn/MTP block {nextn_moe:?} (a plain calibration never runs it, so select's maps cover \
              the trunk {trunk:?} only): pass --drop-nextn to leave the block out (the model as convert_hf_to_gguf.py --no-mtp writes it), add \
-             {{\"layer\": {}, \"keep\": [...]}} to the map to prune its experts too, or calibrate with --nextn (glm4moe) and select again",
+             {{\"layer\": {}, \"keep\": [...]}} to the map to prune its experts too, or calibrate with --nextn (glm4moe, deepseek2) and select again",
             opts.keep_map.display(),
             nextn_moe[0]
         )));
