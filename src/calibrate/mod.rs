@@ -236,7 +236,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let w = Writer::spawn();
         w.send(plan.job(SaveRequest { at: None, state: collector.state }));
         w.finish()?;
-        let model = FileRecord::of("model", &model_path, &std::env::current_dir()?)?;
+        let cwd = std::env::current_dir()?;
+        let mut model = vec![FileRecord::of("model", &model_path, &cwd)?];
+        for p in &plan.model_shards {
+            model.push(FileRecord::of("model_shard", p, &cwd)?);
+        }
         return write_manifest(&plan, argv, model, &[], None, None);
     };
     // bad ranges fail before the model is loaded; they refer to the file's bytes
@@ -251,10 +255,16 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         eprintln!("note: --domains with --no-reap: per-domain coverage is printed, no per-domain sums are collected");
     }
     let model_size = std::fs::metadata(&model_path).map(|m| m.len()).unwrap_or(0);
-    // hashing a large model takes a while: once per file version (cached), beside the compute
+    // hashing a large model takes a while: once per file version (cached), beside the compute;
+    // a split model's further shards too (hundreds of GB: minutes, not at the run's end)
     let model_sha = {
         let p = model_path.clone();
-        std::thread::spawn(move || metadata::cached_sha256_file(&p).ok())
+        let shards = plan.model_shards.clone();
+        std::thread::spawn(move || {
+            let first = metadata::cached_sha256_file(&p).ok();
+            let rest: Vec<Option<(u64, String)>> = shards.iter().map(|s| Some((std::fs::metadata(s).ok()?.len(), metadata::cached_sha256_file(s).ok()?))).collect();
+            (first, rest)
+        })
     };
     // every flag is read before the model loads: a typo costs a second, not the load
     let mut params = model_params(&plan.args)?;
@@ -365,7 +375,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     }
     out.writer.send(plan.job(SaveRequest { at: None, state }));
     out.publish_trace();
-    let sha = model_sha.join().ok().flatten();
+    let (sha, shard_hashes) = model_sha.join().unwrap_or_default();
     out.model_block = metadata::model_block(&model, &model_path, model_size, sha.as_deref());
     if let Some(reap_out) = &plan.reap_out {
         match ctx.observer().saliency() {
@@ -388,11 +398,18 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         extra.push(("trace", p.clone()));
     }
     extra.extend(out.at_files.iter().map(|p| ("imatrix_at", p.clone())));
-    let model_record = match &sha {
+    let cwd = std::env::current_dir()?;
+    let mut model_records = vec![match &sha {
         Some(h) => FileRecord { role: "model".into(), path: model_path.clone(), size: model_size, sha256: h.clone() },
-        None => FileRecord::of("model", &model_path, &std::env::current_dir()?)?,
-    };
-    write_manifest(&plan, argv, model_record, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;
+        None => FileRecord::of("model", &model_path, &cwd)?,
+    }];
+    for (p, hashed) in plan.model_shards.iter().zip(shard_hashes.into_iter().chain(std::iter::repeat(None))) {
+        model_records.push(match hashed {
+            Some((size, sha256)) => FileRecord { role: "model_shard".into(), path: p.clone(), size, sha256 },
+            None => FileRecord::of("model_shard", p, &cwd)?,
+        });
+    }
+    write_manifest(&plan, argv, model_records, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;
     if interrupted.is_none() {
         llama::abort::outputs_complete();
     }
@@ -1014,13 +1031,11 @@ fn batch_rows(chunks: &[usize], pos0: usize, len: usize, n_ubatch: usize, fed: &
 }
 
 /// Records what was run, on what, and what came out (see formats::manifest).
-fn write_manifest(plan: &Plan, argv: &[String], model: FileRecord, outputs: &[(&str, PathBuf)], interrupted: Option<&Interruption>, coverage: Option<Value>) -> Result<()> {
+/// `model`: the model's record, then a split model's further shards'.
+fn write_manifest(plan: &Plan, argv: &[String], model: Vec<FileRecord>, outputs: &[(&str, PathBuf)], interrupted: Option<&Interruption>, coverage: Option<Value>) -> Result<()> {
     use crate::formats::manifest::Manifest;
     let cwd = std::env::current_dir().context("reading the working folder")?;
-    let mut inputs = vec![model];
-    for p in &plan.model_shards {
-        inputs.push(FileRecord::of("model_shard", p, &cwd)?);
-    }
+    let mut inputs = model;
     if let Some(f) = &plan.args.file {
         inputs.push(match &plan.corpus_read {
             Some((size, sha256)) => FileRecord { role: "corpus".into(), path: f.clone(), size: *size, sha256: sha256.clone() },

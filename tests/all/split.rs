@@ -46,6 +46,11 @@ fn a_split_model_calibrates_and_prunes_as_the_merged_one() {
     let shards: Vec<String> = m.inputs.iter().filter(|f| f.role == "model_shard").map(|f| f.path.to_string_lossy().into_owned()).collect();
     let want: Vec<String> = (2..=n).map(|i| d.join(format!("m-{i:05}-of-{n:05}.gguf")).to_string_lossy().into_owned()).collect();
     assert_eq!(shards, want);
+    // hashed beside the compute (cached), the files' own sha256
+    for f in m.inputs.iter().filter(|f| f.role == "model_shard") {
+        assert_eq!(f.sha256, reap_imatrix::formats::sha256::sha256_file(&f.path).unwrap(), "{}", f.path.display());
+        assert_eq!(f.size, std::fs::metadata(&f.path).unwrap().len());
+    }
     let last = d.join(format!("m-{n:05}-of-{n:05}.gguf"));
     let original = read(&last);
     let mut changed = original.clone();
