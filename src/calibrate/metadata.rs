@@ -7,10 +7,11 @@ use std::path::Path;
 pub use crate::formats::sha256::{cached_sha256_file, sha256_file, sha256_hex};
 
 /// What the model's GGUF says about its routing.
-pub fn model_block(model: &Model, path: &Path, size: u64, sha256: Option<&str>) -> Value {
+/// `shards`: a split model's further shards (path, size, sha256), listed under `"shards"`.
+pub fn model_block(model: &Model, path: &Path, size: u64, sha256: Option<&str>, shards: &[(std::path::PathBuf, u64, String)]) -> Value {
     let arch = model.meta_str("general.architecture").unwrap_or_default();
     let key = |k: &str| model.meta_str(&format!("{arch}.{k}"));
-    json!({
+    let mut v = json!({
         "file": path.file_name().map(|n| n.to_string_lossy().into_owned()),
         "path": path.to_string_lossy(),
         "size": size,
@@ -27,7 +28,11 @@ pub fn model_block(model: &Model, path: &Path, size: u64, sha256: Option<&str>) 
         // routing within groups (DeepSeek-V3): select keeps the same number in every group
         "expert_group_count": key("expert_group_count"),
         "expert_group_used_count": key("expert_group_used_count"),
-    })
+    });
+    if !shards.is_empty() {
+        v["shards"] = shards.iter().map(|(p, size, sha)| json!({"path": p.to_string_lossy(), "size": size, "sha256": sha})).collect();
+    }
+    v
 }
 
 pub fn build_block() -> Value {

@@ -333,7 +333,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         trace_started: false,
         trace_published: false,
         outputs_replaced: false,
-        model_block: metadata::model_block(&model, &model_path, model_size, None),
+        model_block: metadata::model_block(&model, &model_path, model_size, None, &[]),
         corpus_block: json!({
             "path": plan.prompt_file,
             // of the bytes the run read (the file may change while it runs)
@@ -376,7 +376,10 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     out.writer.send(plan.job(SaveRequest { at: None, state }));
     out.publish_trace();
     let (sha, shard_hashes) = model_sha.join().unwrap_or_default();
-    out.model_block = metadata::model_block(&model, &model_path, model_size, sha.as_deref());
+    // every shard hashed: the JSON names them all (a keep map then ties prune to each)
+    let hashed: Vec<(PathBuf, u64, String)> = plan.model_shards.iter().zip(&shard_hashes).filter_map(|(p, h)| h.clone().map(|(size, sha)| (p.clone(), size, sha))).collect();
+    let listed = if hashed.len() == plan.model_shards.len() { &hashed[..] } else { &[] };
+    out.model_block = metadata::model_block(&model, &model_path, model_size, sha.as_deref(), listed);
     if let Some(reap_out) = &plan.reap_out {
         match ctx.observer().saliency() {
             Some(s) if !s.layers.is_empty() => {

@@ -60,6 +60,22 @@ fn a_split_model_calibrates_and_prunes_as_the_merged_one() {
     let text = String::from_utf8_lossy(&r.stdout);
     assert_ne!(r.status.code(), Some(0), "{text}");
     assert!(text.contains(&format!("input model_shard {}: CHANGED", last.display())), "{text}");
+    // the saliency JSON names every shard with its sha256, select's map carries them, and
+    // prune refuses the map for a model whose shard changed
+    let listed = a.metadata["model"]["shards"].as_array().expect("metadata.model.shards").clone();
+    assert_eq!(listed.len(), n - 1);
+    assert!(listed.iter().zip(&m.inputs[1..]).all(|(l, f)| l["sha256"] == f.sha256.as_str()), "{listed:?}");
+    run_ok(Command::new(ours()).current_dir(d.join("run-split")).args(["select", "--reap", "i.reap.json", "--method", "reap_mean", "--k", "16", "--out-dir", "maps"]));
+    let map: serde_json::Value = serde_json::from_slice(&read(&d.join("run-split/maps/keep_reap_mean_k16.json"))).unwrap();
+    assert_eq!(map["model"]["shards"].as_array().map(Vec::len), Some(n - 1));
+    let r = run(Command::new(ours()).current_dir(d.join("run-split")).args(["prune", "-m"]).arg(&first).args(["--keep-map", "maps/keep_reap_mean_k16.json", "-o", "changed.gguf"]));
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("whose shard {} has sha256", last.display())), "{err}");
+    let r = run(Command::new(ours()).current_dir(d.join("run-split")).args(["prune", "-m"]).arg(&merged).args(["--keep-map", "maps/keep_reap_mean_k16.json", "-o", "one.gguf"]));
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(2), "{err}");
+    assert!(err.contains("made for the model with sha256"), "{err}");
     std::fs::write(&last, &original).unwrap();
 
     // prune from the shards: the bytes of pruning the merged model (one file; split.count 0

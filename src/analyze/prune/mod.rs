@@ -417,6 +417,30 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
             )));
         }
     }
+    // a split model's further shards, where the map records them
+    if let Some(m) = map.model.as_ref().filter(|m| !m.shards.is_empty()) {
+        let ours: Vec<&Path> = shards.as_ref().map_or_else(Vec::new, |s| s.more.iter().map(|(p, _)| p.as_path()).collect());
+        if ours.len() != m.shards.len() {
+            return Err(usage(format!(
+                "--keep-map {}: made for a model in {} files ({} and {} more shards); -m {model_arg} is {} file(s)",
+                opts.keep_map.display(),
+                m.shards.len() + 1,
+                m.path,
+                m.shards.len(),
+                ours.len() + 1
+            )));
+        }
+        for (p, (recorded, want)) in ours.iter().zip(&m.shards) {
+            let got = crate::formats::sha256::cached_sha256_file(p).with_context(|| format!("hashing {}", p.display()))?;
+            if !got.eq_ignore_ascii_case(want) {
+                return Err(usage(format!(
+                    "--keep-map {}: made for the model whose shard {recorded} has sha256 {want}; {} has sha256 {got}",
+                    opts.keep_map.display(),
+                    p.display()
+                )));
+            }
+        }
+    }
     let per_expert = |name: &str| if kept_tensor(name) { plan::model_per_expert(name) } else { Ok(None) };
     let mut steps = plan::plan(h, per_expert, &blocks, k, n_expert).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
     if let Some(s) = &shards {

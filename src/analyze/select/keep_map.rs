@@ -29,6 +29,25 @@ pub struct ModelRef {
     /// sha256 of the GGUF file, lowercase hex; None when the run did not record it
     pub sha256: Option<String>,
     pub expert_count: Option<u64>,
+    /// a split model's further shards: (path as recorded, sha256), in order; empty otherwise
+    pub shards: Vec<(String, String)>,
+}
+
+impl ModelRef {
+    /// From a saliency JSON's `metadata.model` or a keep map's `model`.
+    pub fn from_json(m: &Value) -> ModelRef {
+        let shards = m.get("shards").and_then(Value::as_array).map_or_else(Vec::new, |a| {
+            a.iter()
+                .filter_map(|s| Some((s.get("path")?.as_str()?.to_string(), s.get("sha256")?.as_str()?.to_string())))
+                .collect()
+        });
+        ModelRef {
+            path: m.get("path").and_then(Value::as_str).unwrap_or("").to_string(),
+            sha256: m.get("sha256").and_then(Value::as_str).map(str::to_string),
+            expert_count: m.get("expert_count").and_then(Value::as_u64),
+            shards,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -68,6 +87,9 @@ impl KeepMap {
         });
         if let Some(m) = &self.model {
             v["model"] = json!({"path": m.path, "sha256": m.sha256, "expert_count": m.expert_count});
+            if !m.shards.is_empty() {
+                v["model"]["shards"] = m.shards.iter().map(|(p, s)| json!({"path": p, "sha256": s})).collect();
+            }
         }
         v
     }
@@ -145,11 +167,7 @@ impl KeepMap {
             _ => None,
         };
         let model = match v.get("model") {
-            Some(m @ Value::Object(_)) => Some(ModelRef {
-                path: m.get("path").and_then(Value::as_str).unwrap_or("").to_string(),
-                sha256: m.get("sha256").and_then(Value::as_str).map(str::to_string),
-                expert_count: m.get("expert_count").and_then(Value::as_u64),
-            }),
+            Some(m @ Value::Object(_)) => Some(ModelRef::from_json(m)),
             _ => None,
         };
         Ok(KeepMap {
@@ -181,7 +199,7 @@ mod tests {
             k: 2,
             parameters: json!({"min_count": 0}),
             source: Some(Source { path: "a.json".into(), sha256: sha256_hex(b"abc"), tokens: 10, trace_tokens_written: 4 }),
-            model: Some(ModelRef { path: "m.gguf".into(), sha256: Some(sha256_hex(b"m")), expert_count: Some(8) }),
+            model: Some(ModelRef { path: "m.gguf".into(), sha256: Some(sha256_hex(b"m")), expert_count: Some(8), shards: vec![("m-00002-of-00002.gguf".into(), sha256_hex(b"2"))] }),
             layers: vec![KeepLayer { layer: Some(3), keep: vec![1, 5] }, KeepLayer { layer: Some(4), keep: vec![0, 2] }],
         };
         assert_eq!(KeepMap::from_json(&m.to_json()).unwrap(), m);

@@ -260,11 +260,7 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
     };
 
     // the model the sums were measured on, so prune can refuse a map meant for another one
-    let model = sal.metadata.get("model").map(|m| ModelRef {
-        path: m.get("path").and_then(Value::as_str).unwrap_or("").to_string(),
-        sha256: m.get("sha256").and_then(Value::as_str).map(str::to_string),
-        expert_count: Some(sal.layers[0].n_expert as u64),
-    });
+    let model = sal.metadata.get("model").map(|m| ModelRef { expert_count: Some(sal.layers[0].n_expert as u64), ..ModelRef::from_json(m) });
 
     // ---- keep sets (reap_l2_sum over the reweighted domains with --domain-weights)
     let sets: Vec<Vec<Vec<Vec<u16>>>> = methods
