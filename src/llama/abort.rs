@@ -36,6 +36,11 @@ pub(super) fn note_extra_bufts() {
     EXTRA_BUFTS.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
+/// Whether a model of this process has weights in the extra buffer types.
+pub(super) fn extra_bufts() -> bool {
+    EXTRA_BUFTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// What ggml's scheduler says when no backend takes one of the graph's ops.
 const NO_BACKEND: &str = "cur_backend_id != -1";
 

@@ -105,6 +105,9 @@ impl<'m, O: GraphObserver> Context<'m, O> {
         if let Some(p) = self.state_mut().panic.take() {
             std::panic::resume_unwind(p);
         }
+        if let Some(why) = self.state_mut().refusal.take() {
+            return Err(crate::error::UsageError(why).into());
+        }
         match rc {
             0 | 2 if self.state_mut().stopped => Ok(false),
             0 => Ok(true),

@@ -40,11 +40,17 @@ pub(crate) struct CallbackState<O> {
     /// several splits. So from the stop to the end of the decode nothing more is wanted, and
     /// the decode counts as stopped whatever llama.cpp returns.
     pub stopped: bool,
+    /// Check every matmul against the AMX kernel's blind spot (`amx_guard`): set where a
+    /// model of the process has weights in the extra buffer types.
+    pub guard_amx: bool,
+    /// Why the graph was stopped before a node that would compute wrong values; the context
+    /// returns it as the decode's error.
+    pub refusal: Option<String>,
 }
 
 impl<O> CallbackState<O> {
     pub fn new(observer: O) -> Self {
-        CallbackState { observer, panic: None, stopped: false }
+        CallbackState { observer, panic: None, stopped: false, guard_amx: super::abort::extra_bufts(), refusal: None }
     }
 }
 
@@ -55,6 +61,18 @@ impl<O: GraphObserver> CallbackState<O> {
             return false; // failing or stopped: want nothing, stop everything
         }
         let Some(node) = node else { return !ask };
+        if self.refusal.is_some() {
+            // the node refused when asked, computed now: stop before anything reads it
+            self.stopped = true;
+            return false;
+        }
+        if ask && self.guard_amx {
+            if let Some(why) = super::amx_guard::refuse(node) {
+                // wanted, so that ggml stops at it (an unwanted node is only skipped)
+                self.refusal = Some(why);
+                return true;
+            }
+        }
         let obs = &mut self.observer;
         match catch_unwind(AssertUnwindSafe(|| if ask { obs.wants(node) } else { obs.observe(node) })) {
             Ok(true) => true,

@@ -4,6 +4,7 @@
 //! pointers.
 
 pub mod abort;
+mod amx_guard;
 pub mod batch;
 pub mod chat;
 pub mod context;

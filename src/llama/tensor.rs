@@ -72,6 +72,11 @@ impl<'a> Node<'a> {
         unsafe { &*self.raw }
     }
 
+    /// The buffer holding the tensor's data (null before allocation).
+    pub(crate) fn raw_buffer(&self) -> sys::ggml_backend_buffer_t {
+        self.t().buffer
+    }
+
     /// The tensor itself, for building graphs that read it (`reduce`).
     pub(crate) fn as_ptr(&self) -> *mut sys::ggml_tensor {
         self.raw as *mut sys::ggml_tensor

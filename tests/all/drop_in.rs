@@ -139,6 +139,70 @@ fn glm4moe_is_byte_identical() {
     p.assert_same_ppl();
 }
 
+/// qwen35moe (Qwen3.5-MoE's layout): gated delta net blocks (attn_qkv into a causal
+/// convolution, the output gate attn_gate, ssm_alpha/ssm_beta, ssm_out) with full attention
+/// (q and its sigmoid gate in one matrix) every fourth block, the shared expert behind its
+/// sigmoid gate, an MTP block llama.cpp loads and never runs. Two sequences per batch, so the
+/// recurrent state of each is kept apart (`-nr`: `cpu_flags`), and one.
+#[test]
+fn qwen35moe_is_byte_identical() {
+    let p = run_both("q35-c256-b512", &fixture("qwen35moe"), "imatrix.gguf", &args(&[&["-c", "256", "-b", "512"][..], cpu_flags("qwen35moe")].concat()));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+    p.assert_same_partial_data_warnings();
+    let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+    for (name, cols) in [
+        ("blk.0.attn_qkv", 64),
+        ("blk.0.attn_gate", 64),
+        ("blk.0.ssm_alpha", 64),
+        ("blk.0.ssm_beta", 64),
+        ("blk.0.ssm_out", 64),
+        ("blk.3.attn_q", 64),
+        ("blk.3.attn_output", 64),
+        ("blk.0.ffn_gate_inp_shexp", 64),
+        ("blk.2.ffn_down_exps", 32 * 32),
+    ] {
+        let e = m.entries.get(&format!("{name}.weight")).unwrap_or_else(|| panic!("no entry {name}: {:?}", m.entries.keys().collect::<Vec<_>>()));
+        assert_eq!(e.sums.len(), cols, "{name}");
+    }
+    assert!(!m.entries.keys().any(|n| n.starts_with("blk.4.")), "the MTP block is not run without --nextn");
+    let p = run_both("q35-c256", &fixture("qwen35moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "256"]));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+}
+
+/// The pin's AMX matmul multiplies only the first 2-D slice of a 3-D input and leaves the rest
+/// of its output wrong; upstream's tools say nothing (llama-perplexity on this fixture with two
+/// sequences per batch: PPL 68158 against 20896, seen 2026-12-03). Qwen3.5's gated delta net
+/// projects a 3-D input through `ssm_out` once a batch holds two sequences. On a CPU with AMX
+/// ours refuses before anything is written, naming the weight and `-nr`; on any other CPU, and
+/// with `-nr` on this one, the same run is upstream's byte for byte.
+#[test]
+fn an_amx_matmul_of_a_3d_input_is_refused_and_elsewhere_the_run_is_upstreams() {
+    let model = fixture("qwen35moe");
+    let d = temp_dir("amx-3d");
+    let flags = ["-c", "128", "-b", "256", "--chunks", "2", "-t", "2", "--no-ppl"];
+    let out = run(Command::new(ours()).current_dir(&d).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-o", "i.gguf"]).args(flags));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let upstream = |dir: &str| {
+        std::fs::create_dir_all(d.join(dir)).unwrap();
+        run_ok(Command::new(reference_bin("llama-imatrix")).current_dir(d.join(dir)).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-o", "i.gguf", "-nr"]).args(flags));
+        d.join(dir).join("i.gguf")
+    };
+    if cpu_has_amx() {
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("blk.0.ssm_out.weight sits in ggml's AMX buffer") && err.contains("--no-repack (-nr)"), "{err}");
+        assert!(!d.join("i.gguf").exists() && !d.join("i.reap.json").exists());
+        std::fs::create_dir_all(d.join("nr")).unwrap();
+        let out = run(Command::new(ours()).current_dir(d.join("nr")).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-o", "i.gguf", "-nr"]).args(flags));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_same_bytes(&d.join("nr/i.gguf"), &upstream("up"));
+    } else {
+        assert!(out.status.success(), "{err}");
+        assert_same_bytes(&d.join("i.gguf"), &upstream("up"));
+    }
+}
+
 /// deepseek2 (DeepSeek-V3's layout, and Kimi-K2's): multi-head latent attention, whose per-head
 /// matrices attn_k_b and attn_v_b are 3-D (one imatrix matrix per head); glm4moe's routing with
 /// the gates scaled by 2.5 after renormalising; and routed within expert groups.

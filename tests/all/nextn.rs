@@ -62,14 +62,20 @@ fn calibrate(dir: &Path, model: &Path, extra: &[&str]) -> std::process::Output {
 fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_unchanged() {
     independent("glm4moe");
     independent("deepseek2");
+    // Qwen3.5-MoE: a gated delta net trunk, the block's softmax router (renormalised, no
+    // selection bias) and its shared expert behind a sigmoid gate
+    independent("qwen35moe");
 }
 
 fn independent(arch: &str) {
     let d = temp_dir(&format!("nextn-independent-{arch}"));
     let model_path = d.join("m.gguf");
-    // f32 weights: the GGUF holds exactly what the graph multiplies by; blocks 0 (dense), 1, 2 (nextn)
-    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path));
     let ds = arch == "deepseek2";
+    let q35 = arch == "qwen35moe";
+    // f32 weights: the GGUF holds exactly what the graph multiplies by; blocks 0 (dense), 1, 2
+    // (nextn); qwen35moe: 0–2 gated delta net, 3 full attention (llama.cpp needs one), 4 (nextn)
+    let n_layer = if q35 { 4 } else { 2 };
+    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", &n_layer.to_string(), "-o"]).arg(&model_path));
     let scale = if ds { reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64 } else { 1.0 };
     let (n_ctx, n_batch, n_chunk) = (64usize, 32usize, 2usize);
     // .at_N copies every chunk: a checkpoint holds the block as of the trunk's batch
@@ -92,7 +98,7 @@ fn independent(arch: &str) {
         }
         let mut b = b.entries;
         b.retain(|n, _| !a.entries.contains_key(n));
-        assert!(b.keys().all(|n| n.starts_with("blk.2.")), "{with}: {:?}", b.keys().collect::<Vec<_>>());
+        assert!(b.keys().all(|n| n.starts_with(&format!("blk.{n_layer}."))), "{with}: {:?}", b.keys().collect::<Vec<_>>());
         b
     };
     // --no-reap: the imatrix alone, the same bytes
@@ -102,15 +108,15 @@ fn independent(arch: &str) {
     assert_same_bytes(&d.join("nextn/i.gguf"), &d.join("no-reap/i.gguf"));
     assert!(!d.join("no-reap/i.reap.json").exists());
     let at1 = block_entries("plain/i.gguf.at_1", "nextn/i.gguf.at_1");
-    assert_eq!(at1["blk.2.ffn_gate_inp.weight"].counts, vec![n_ctx as i64], "the first chunk's checkpoint holds the block's whole chunk");
+    assert_eq!(at1[&format!("blk.{n_layer}.ffn_gate_inp.weight")].counts, vec![n_ctx as i64], "the first chunk's checkpoint holds the block's whole chunk");
     let entries = block_entries("plain/i.gguf", "nextn/i.gguf");
     let a = Saliency::read(&d.join("plain/i.reap.json")).unwrap();
     let s = Saliency::read(&d.join("nextn/i.reap.json")).unwrap();
-    assert_eq!(s.nextn_blocks, vec![2]);
+    assert_eq!(s.nextn_blocks, vec![n_layer as u32]);
     assert_eq!(s.trunk(), &a.layers[..]);
     assert_eq!(s.layers.len(), a.layers.len() + 1);
     let lay = s.layers.last().unwrap();
-    assert_eq!((lay.layer, lay.tokens), (2, (n_ctx * n_chunk) as u64));
+    assert_eq!((lay.layer, lay.tokens), (n_layer as u32, (n_ctx * n_chunk) as u64));
     let (n_expert, k) = (lay.n_expert, lay.n_expert_used);
 
     // --domains: two domains split inside chunk 1 (token `split` starts domain b)
@@ -129,7 +135,7 @@ fn independent(arch: &str) {
     let sd = Saliency::read(&d.join("domains/i.reap.json")).unwrap();
     // the whole run's sums are the run's without --domains, the block's among them
     assert_eq!(sd.layers, s.layers);
-    assert_eq!(sd.nextn_blocks, vec![2]);
+    assert_eq!(sd.nextn_blocks, vec![n_layer as u32]);
     assert_same_bytes(&d.join("nextn/i.gguf"), &d.join("domains/i.gguf"));
     let names: Vec<&str> = sd.domains.iter().map(|x| x.name.as_str()).collect();
     assert_eq!(names, ["a", "b"]);
@@ -139,7 +145,7 @@ fn independent(arch: &str) {
     // the same tokens through the trunk, then the MTP graph fed as upstream's drafter feeds it
     let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_batch as u32, n_ubatch: n_batch as u32, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1, ..Default::default() };
     let mut trunk = Context::new(&model, &p, Hidden(Vec::new())).unwrap();
-    let block = 2usize;
+    let block = n_layer;
     let obs = MtpInputs { router: format!("blk.{block}.ffn_gate_inp.weight"), hnorm: format!("mtp_hnorm-{block}"), x: Vec::new(), h: Vec::new() };
     let mut mtp = Context::new(&model, &ContextParams { mtp: true, ..p.clone() }, obs).unwrap();
     let n_embd = model.n_embd() as usize;
@@ -189,9 +195,10 @@ fn independent(arch: &str) {
     }
 
     // REAP of the block from its router input and weights, in f64 (sigmoid, choice by p + bias,
-    // gates renormalised over the picks)
+    // gates renormalised over the picks; qwen35moe: softmax, choice by p, renormalised)
     let w = |t: &str| gguf_f32(&model_path, &format!("blk.{block}.{t}")).0;
-    let (router, gate, up, down, sel_b) = (w("ffn_gate_inp.weight"), w("ffn_gate_exps.weight"), w("ffn_up_exps.weight"), w("ffn_down_exps.weight"), w("exp_probs_b.bias"));
+    let (router, gate, up, down) = (w("ffn_gate_inp.weight"), w("ffn_gate_exps.weight"), w("ffn_up_exps.weight"), w("ffn_down_exps.weight"));
+    let sel_b = if q35 { vec![0f32; n_expert] } else { w("exp_probs_b.bias") };
     let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_exps.weight")).1[1] as usize;
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
@@ -206,7 +213,14 @@ fn independent(arch: &str) {
         for (a, v) in x_sq.iter_mut().zip(&x) {
             *a += v * v;
         }
-        let probs: Vec<f64> = (0..n_expert).map(|e| 1.0 / (1.0 + (-dot_row(&router, n_embd, n_expert, 0, e, &x)).exp())).collect();
+        let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
+        let probs: Vec<f64> = if q35 {
+            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+            logits.iter().map(|l| (l - m).exp() / z).collect()
+        } else {
+            logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect()
+        };
         let mut order: Vec<usize> = (0..n_expert).collect();
         order.sort_by(|&a, &b| (probs[b] + sel_b[b] as f64).total_cmp(&(probs[a] + sel_b[a] as f64)));
         let sel = &order[..k];
@@ -247,7 +261,7 @@ fn independent(arch: &str) {
     for (dm, (want_count, want_reap, want_prob)) in sd.domains.iter().zip(&by_dom) {
         assert_eq!(dm.layers.len(), sd.layers.len(), "domain {}", dm.name);
         let got = dm.layers.last().unwrap();
-        assert_eq!(got.layer, 2);
+        assert_eq!(got.layer, n_layer as u32);
         assert_eq!(&got.count, want_count, "domain {}: the block's counts", dm.name);
         for e in 0..n_expert {
             assert!(rel(want_reap[e], got.reap_l2_sum[e]) < 1e-5 || want_reap[e] == got.reap_l2_sum[e], "domain {} expert {e}: reap_l2_sum {} vs independent {}", dm.name, got.reap_l2_sum[e], want_reap[e]);
@@ -288,6 +302,8 @@ fn independent(arch: &str) {
     let attn: &[&str] = if ds { &["attn_q_a", "attn_kv_a_mqa"] } else { &["attn_q", "attn_k", "attn_v"] };
     let mut want: Vec<(&str, &[f64], &[i64])> = vec![
         ("ffn_gate_inp", &x_sq, &all),
+        // qwen35moe's shared-expert gate reads the router's input too
+        ("ffn_gate_inp_shexp", &x_sq, &all),
         ("ffn_gate_shexp", &x_sq, &all),
         ("ffn_up_shexp", &x_sq, &all),
         ("ffn_down_shexp", &sh_sq, &all),
@@ -297,6 +313,9 @@ fn independent(arch: &str) {
         ("nextn.eh_proj", &cat_sq, &all),
     ];
     want.extend(attn.iter().map(|&a| (a, &attn_sq[..], &all[..])));
+    if !q35 {
+        want.retain(|w| w.0 != "ffn_gate_inp_shexp");
+    }
     for (weight, sums, counts) in want {
         let name = format!("blk.{block}.{weight}.weight");
         let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
@@ -309,15 +328,15 @@ fn independent(arch: &str) {
     }
     // and attn_output, whose input is the attention's result (deepseek2 also attn_q_b, attn_k_b,
     // attn_v_b, reading latents): one count per token fed
-    assert_eq!(entries.len(), if ds { 14 } else { 12 }, "{:?}", entries.keys().collect::<Vec<_>>());
+    assert_eq!(entries.len(), if ds { 14 } else if q35 { 13 } else { 12 }, "{:?}", entries.keys().collect::<Vec<_>>());
     assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
 
     // check: every invariant, the trunk and the block against the imatrix, the trunk against the trace
     let c = run(Command::new(ours()).current_dir(d.join("nextn")).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
     let text = String::from_utf8_lossy(&c.stdout);
     assert!(c.status.success(), "{text}");
-    assert!(text.contains("layer 2: a nextn/MTP block"), "{text}");
-    assert!(text.contains("[ok] layer 2: count equals the imatrix counts of blk.2.ffn_down_exps.weight"), "{text}");
+    assert!(text.contains(&format!("layer {n_layer}: a nextn/MTP block")), "{text}");
+    assert!(text.contains(&format!("[ok] layer {n_layer}: count equals the imatrix counts of blk.{n_layer}.ffn_down_exps.weight")), "{text}");
     // and the per-domain parts, the block's among them, add up to the whole
     let c = run(Command::new(ours()).current_dir(d.join("domains")).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
     let text = String::from_utf8_lossy(&c.stdout);
@@ -333,6 +352,7 @@ fn independent(arch: &str) {
 fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("glm4moe");
     nextn_path("deepseek2");
+    nextn_path("qwen35moe");
 }
 
 fn nextn_path(arch: &str) {
@@ -346,10 +366,11 @@ fn nextn_path(arch: &str) {
     let map = d.join("maps/keep_reap_mean_k24.json");
     let m: serde_json::Value = serde_json::from_slice(&read(&map)).unwrap();
     let blocks: Vec<u64> = m["layers"].as_array().unwrap().iter().map(|l| l["layer"].as_u64().unwrap()).collect();
-    assert_eq!(blocks, vec![1, 2, 3, 4]);
+    // glm4moe's and deepseek2's block 0 is dense
+    assert_eq!(blocks, if arch == "qwen35moe" { vec![0, 1, 2, 3, 4] } else { vec![1, 2, 3, 4] });
     // the block's dead experts are not kept while live ones are left out
     let nx = s.layers.last().unwrap();
-    let kept: Vec<u64> = m["layers"][3]["keep"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap()).collect();
+    let kept: Vec<u64> = m["layers"][blocks.len() - 1]["keep"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap()).collect();
     assert!(kept.iter().all(|&e| nx.count[e as usize] > 0) || nx.count.iter().filter(|&&c| c > 0).count() < 24, "{kept:?} {:?}", nx.count);
 
     let pruned = d.join("p.gguf");

@@ -19,7 +19,7 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "qwen35moe"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         let glm_like = arch == "glm4moe" || arch == "deepseek2";
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
@@ -36,7 +36,8 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         assert_eq!(dead, 4 * s.layers.len(), "{arch}: each layer has exactly the fixture's 4 dead experts");
         // gpt-oss: the graph's probs are logits; p and the sums from the softmax taken here
         assert_eq!(s.routing().probs_from_logits, Some(arch == "gpt-oss"), "{arch}");
-        // glm4moe, deepseek2: blocks 1–3 (0 is dense; the nextn block 4 is never run); sigmoid router
+        // glm4moe, deepseek2: blocks 1–3 (0 is dense; the nextn block 4 is never run, nor is
+        // qwen35moe's); sigmoid router
         let blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
         assert_eq!(blocks, if glm_like { vec![1, 2, 3] } else { vec![0, 1, 2, 3] }, "{arch}");
         assert_eq!(s.routing().softmax(), Some(!glm_like), "{arch}");
@@ -269,6 +270,9 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // and routed within expert groups as DeepSeek-V3 routes (8 groups, here 2 used): a group
     // scores the sum of its two best p + bias, the top-k come from the best groups only
     independent_computation_grouped("deepseek2", false, Some((8, 2)));
+    // qwen35moe: qwen3moe's renormalised softmax, the shared expert behind its sigmoid gate
+    // beside the routed ones, block 1 a gated delta net block
+    independent_computation("qwen35moe", true);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -284,7 +288,9 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
     let d = temp_dir(&format!("reap-independent-{arch}{}", if groups.is_some() { "-groups" } else { "" }));
     let model_path = d.join("m.gguf");
     let group_flags: Vec<String> = groups.map_or_else(Vec::new, |(g, u)| vec!["--expert-groups".into(), g.to_string(), "--expert-groups-used".into(), u.to_string()]);
-    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path).args(&group_flags));
+    // qwen35moe's first full-attention block is block 3 (llama.cpp needs one)
+    let layers = if arch == "qwen35moe" { "4" } else { "2" };
+    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", layers, "-o"]).arg(&model_path).args(&group_flags));
     let n_ctx = 64usize;
     calibrate(&d, &model_path, &["-c", &n_ctx.to_string(), "-b", "64", "--chunks", "1", "--trace-out", "t.bin"]);
     let s = Saliency::read(&d.join("i.reap.json")).unwrap();

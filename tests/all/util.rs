@@ -65,10 +65,13 @@ pub fn fixture(arch: &str) -> PathBuf {
 /// with AMX the pin's CPU backend keeps f16 matrices in its AMX buffer type, and deepseek2's
 /// graph then has an op that no backend takes: `ggml_backend_sched_split_graph` aborts
 /// (`GGML_ASSERT(*cur_backend_id != -1)`) in upstream's llama-imatrix and llama-perplexity as in
-/// ours. `-nr` turns the extra buffer types off; on a CPU without AMX it changes nothing for an
+/// ours. And the AMX matmul multiplies only the first 2-D slice of a 3-D input: qwen35moe's
+/// gated delta net feeds `ssm_out` one once a batch holds two sequences, which upstream's tools
+/// get wrong silently and ours refuse (`drop_in::an_amx_matmul_of_a_3d_input_is_refused_…`).
+/// `-nr` turns the extra buffer types off; on a CPU without AMX it changes nothing for an
 /// f16 model (ggml repacks quantized types only), so a test means the same on every machine.
 pub fn cpu_flags(arch: &str) -> &'static [&'static str] {
-    if arch == "deepseek2" {
+    if arch == "deepseek2" || arch == "qwen35moe" {
         &["-nr"]
     } else {
         &[]
@@ -259,4 +262,10 @@ pub fn run_ok_into_closed_pipe(cmd: &mut Command) -> Output {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && !err.contains("panicked"), "{}: {err}", o.status);
     o
+}
+
+/// Whether this CPU has AMX (the pin's CPU backend then puts f16 and some quantized weights in
+/// its AMX buffer type unless `-nr`).
+pub fn cpu_has_amx() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.lines().any(|l| l.starts_with("flags") && l.split_whitespace().any(|f| f == "amx_tile")))
 }

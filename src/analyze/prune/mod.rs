@@ -390,9 +390,10 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         return Err(usage(format!(
             "--keep-map {}: no entry for the model's nextn/MTP block {nextn_moe:?} (a plain calibration never runs it, so select's maps cover \
              the trunk {trunk:?} only): pass --drop-nextn to leave the block out (the model as convert_hf_to_gguf.py --no-mtp writes it), add \
-             {{\"layer\": {}, \"keep\": [...]}} to the map to prune its experts too, or calibrate with --nextn (glm4moe, deepseek2) and select again",
+             {{\"layer\": {}, \"keep\": [...]}} to the map to prune its experts too, or calibrate with --nextn ({}) and select again",
             opts.keep_map.display(),
-            nextn_moe[0]
+            nextn_moe[0],
+            crate::calibrate::validate::NEXTN_ARCHS.join(", ")
         )));
     }
     let mut map = map;
