@@ -707,6 +707,35 @@ fn a_nextn_block_is_dropped_on_request_or_pruned_by_a_hand_made_entry() {
     assert!(err.contains("has no nextn/MTP block") && !d.join("q.gguf").exists(), "{err}");
 }
 
+/// Qwen3.5-MoE's layout: `--drop-nextn` cuts the per-block bool array of block kinds
+/// (`attention.recurrent_layers`, which the converter writes from the config's `layer_types`)
+/// to the trunk's, leaves `rope.dimension_sections` (4 values, not one per block) alone, and the
+/// result loads in upstream llama-perplexity with the original's PPL to 1e-5 (every live
+/// expert kept).
+#[test]
+fn drop_nextn_cuts_the_block_kinds_of_a_hybrid_model() {
+    let d = temp_dir("prune-nextn-qwen35moe");
+    let model = fixture("qwen35moe");
+    calibrate(&d, &model);
+    run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "imatrix.reap.json", "--method", "reap_mean", "--k", "28", "--out-dir", "maps"]));
+    let out = d.join("p.gguf");
+    prune_ok(&model, &d.join("maps/keep_reap_mean_k28.json"), &out, &["--drop-nextn"]);
+    let (a, b) = (read(&model), read(&out));
+    let (ha, hb) = (Header::parse(&a).unwrap(), Header::parse(&b).unwrap());
+    let key = "qwen35moe.attention.recurrent_layers";
+    assert_eq!((ha.array_len(&a, key), hb.array_len(&b, key)), (Some(5), Some(4)));
+    let (va, vb) = (&a[ha.kv(key).unwrap().value.clone()], &b[hb.kv(key).unwrap().value.clone()]);
+    assert_eq!((&va[12..], &vb[12..]), (&[1u8, 1, 1, 0, 0][..], &[1u8, 1, 1, 0][..]));
+    let sections = "qwen35moe.rope.dimension_sections";
+    assert_eq!(&a[ha.kv(sections).unwrap().raw.clone()], &b[hb.kv(sections).unwrap().raw.clone()]);
+    assert_eq!((hb.uint(&b, "qwen35moe.block_count"), hb.kv("qwen35moe.nextn_predict_layers").is_none()), (Some(4), true));
+    assert!(!hb.tensors.iter().any(|t| t.name.starts_with("blk.4.")));
+    // the softmax's sum loses the dead experts' e^-20-sized terms: the renormalised gates move
+    // in float rounding only
+    let (p, q) = (upstream_ppl(&out), upstream_ppl(&model));
+    assert!((p - q).abs() < 1e-5 * q, "PPL {p} pruned, {q} before");
+}
+
 /// The glm4moe fixture routing within 4 expert groups of 8, 2 used per token (written in `d`).
 fn grouped_glm4moe(d: &Path) -> PathBuf {
     let u32_kv = |v: u32| [4u32.to_le_bytes(), v.to_le_bytes()].concat();
