@@ -32,7 +32,17 @@ pub struct NextnPass<'m> {
     prefix: String,
     /// per sequence: the trunk's hidden state of the last token fed so far
     pending: Vec<Vec<f32>>,
+    /// every token an output: see [`FFN_ON_OUTPUTS_ONLY`]
+    all_outputs: bool,
 }
+
+/// Architectures whose MTP graph at the pin keeps only the output rows before the block's FFN
+/// (qwen3next's `graph_mtp` takes `ggml_get_rows(cur, inp_out_ids)` after the attention, as
+/// drafting needs only the last token's). Fed with no outputs, as the others are, the block's
+/// router and experts would see no token; so every token is an output there. That computes
+/// the block's LM head for every token too (for Qwen3-Next about ten times the block's own
+/// matmuls per token), which the other archs' passes skip.
+pub const FFN_ON_OUTPUTS_ONLY: &[&str] = &["qwen3next"];
 
 impl<'m> NextnPass<'m> {
     /// `main` is the trunk's observer: an `--in-file` merged into it may hold entries of the
@@ -65,7 +75,8 @@ impl<'m> NextnPass<'m> {
         let ctx = Context::new(model, &p, obs).map_err(|e| anyhow::anyhow!("--nextn: the MTP context: {e:#}"))?;
         let batch = ctx.batch();
         let n_embd = model.n_embd() as usize;
-        Ok(NextnPass { ctx, batch, n_embd, prefix, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize] })
+        let all_outputs = model.meta_str("general.architecture").is_some_and(|a| FFN_ON_OUTPUTS_ONLY.contains(&a.as_str()));
+        Ok(NextnPass { ctx, batch, n_embd, prefix, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize], all_outputs })
     }
 
     /// A new batch of chunks: the MTP cache cleared, every sequence at the drafter's start.
@@ -100,7 +111,7 @@ impl<'m> NextnPass<'m> {
             for k in 0..len {
                 let i = seq * len + k;
                 let h = if k == 0 { &self.pending[seq][..] } else { &hidden[(i - 1) * e..i * e] };
-                self.batch.add_with_state(fed[i], (pos0 + k) as i32, seq as i32, false, h);
+                self.batch.add_with_state(fed[i], (pos0 + k) as i32, seq as i32, self.all_outputs, h);
             }
             let last = seq * len + len - 1;
             self.pending[seq].copy_from_slice(&hidden[last * e..(last + 1) * e]);
@@ -113,6 +124,11 @@ impl<'m> NextnPass<'m> {
                 r.sums.domains = Some(DomainSplit::new(d.names.clone()));
             }
         }
+        // every token fed must reach the block's router (an MTP graph that keeps only some
+        // rows, as qwen3next's keeps its outputs, would otherwise give the block no statistics)
+        let router = format!("{}ffn_gate_inp.weight", self.prefix);
+        let routed = |o: &CalibrationObserver| o.imatrix.state.stats.get(&router).map_or(0, |s| s.counts.iter().sum::<i64>());
+        let before = routed(self.ctx.observer());
         let done = self.ctx.decode_or_stop(&mut self.batch);
         let obs = self.ctx.observer_mut();
         obs.finish_ubatch();
@@ -135,6 +151,10 @@ impl<'m> NextnPass<'m> {
         }
         if obs.imatrix.state.stats.is_empty() {
             bail!("--nextn: the MTP graph has no matmul the imatrix collector recognised (chunk {})", main.chunk);
+        }
+        let got = routed(obs) - before;
+        if got != fed.len() as i64 {
+            bail!("--nextn: the MTP graph's router {router} saw {got} of the {} tokens fed (chunk {}): the block's statistics would leave tokens out", fed.len(), main.chunk);
         }
         let sums = match &obs.reap {
             Some(r) if r.sums.layers.is_empty() => bail!("--nextn: the MTP graph has no MoE layer the collector recognised (chunk {})", main.chunk),

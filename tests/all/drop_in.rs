@@ -142,33 +142,38 @@ fn glm4moe_is_byte_identical() {
 /// qwen35moe (Qwen3.5-MoE's layout): gated delta net blocks (attn_qkv into a causal
 /// convolution, the output gate attn_gate, ssm_alpha/ssm_beta, ssm_out) with full attention
 /// (q and its sigmoid gate in one matrix) every fourth block, the shared expert behind its
-/// sigmoid gate, an MTP block llama.cpp loads and never runs. Two sequences per batch, so the
-/// recurrent state of each is kept apart (`-nr`: `cpu_flags`), and one.
+/// sigmoid gate, an MTP block llama.cpp loads and never runs; qwen3next (Qwen3-Next's) the
+/// same with beta and alpha in one matrix (ssm_ba) and plain rotary embedding. Two sequences
+/// per batch, so the recurrent state of each is kept apart (`-nr`: `cpu_flags`), and one.
 #[test]
-fn qwen35moe_is_byte_identical() {
-    let p = run_both("q35-c256-b512", &fixture("qwen35moe"), "imatrix.gguf", &args(&[&["-c", "256", "-b", "512"][..], cpu_flags("qwen35moe")].concat()));
-    p.assert_same_file("imatrix.gguf");
-    p.assert_same_ppl();
-    p.assert_same_partial_data_warnings();
-    let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
-    for (name, cols) in [
-        ("blk.0.attn_qkv", 64),
-        ("blk.0.attn_gate", 64),
-        ("blk.0.ssm_alpha", 64),
-        ("blk.0.ssm_beta", 64),
-        ("blk.0.ssm_out", 64),
-        ("blk.3.attn_q", 64),
-        ("blk.3.attn_output", 64),
-        ("blk.0.ffn_gate_inp_shexp", 64),
-        ("blk.2.ffn_down_exps", 32 * 32),
-    ] {
-        let e = m.entries.get(&format!("{name}.weight")).unwrap_or_else(|| panic!("no entry {name}: {:?}", m.entries.keys().collect::<Vec<_>>()));
-        assert_eq!(e.sums.len(), cols, "{name}");
+fn qwen35moe_and_qwen3next_are_byte_identical() {
+    for arch in ["qwen35moe", "qwen3next"] {
+        let p = run_both(&format!("{arch}-c256-b512"), &fixture(arch), "imatrix.gguf", &args(&[&["-c", "256", "-b", "512"][..], cpu_flags(arch)].concat()));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        p.assert_same_partial_data_warnings();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        let ba: &[(&str, usize)] = if arch == "qwen3next" { &[("blk.0.ssm_ba", 64)] } else { &[("blk.0.ssm_alpha", 64), ("blk.0.ssm_beta", 64)] };
+        for &(name, cols) in [
+            ("blk.0.attn_qkv", 64),
+            ("blk.0.attn_gate", 64),
+            ("blk.0.ssm_out", 64),
+            ("blk.3.attn_q", 64),
+            ("blk.3.attn_output", 64),
+            ("blk.0.ffn_gate_inp_shexp", 64),
+            ("blk.2.ffn_down_exps", 32 * 32),
+        ]
+        .iter()
+        .chain(ba)
+        {
+            let e = m.entries.get(&format!("{name}.weight")).unwrap_or_else(|| panic!("{arch}: no entry {name}: {:?}", m.entries.keys().collect::<Vec<_>>()));
+            assert_eq!(e.sums.len(), cols, "{arch} {name}");
+        }
+        assert!(!m.entries.keys().any(|n| n.starts_with("blk.4.")), "{arch}: the MTP block is not run without --nextn");
+        let p = run_both(&format!("{arch}-c256"), &fixture(arch), "imatrix.gguf", &args(&["-c", "256", "-b", "256"]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
     }
-    assert!(!m.entries.keys().any(|n| n.starts_with("blk.4.")), "the MTP block is not run without --nextn");
-    let p = run_both("q35-c256", &fixture("qwen35moe"), "imatrix.gguf", &args(&["-c", "256", "-b", "256"]));
-    p.assert_same_file("imatrix.gguf");
-    p.assert_same_ppl();
 }
 
 /// The pin's AMX matmul multiplies only the first 2-D slice of a 3-D input and leaves the rest

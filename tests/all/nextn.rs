@@ -65,13 +65,16 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // Qwen3.5-MoE: a gated delta net trunk, the block's softmax router (renormalised, no
     // selection bias) and its shared expert behind a sigmoid gate
     independent("qwen35moe");
+    // Qwen3-Next: the same block, but its MTP graph keeps only the output rows before the FFN,
+    // so every token is fed as an output (ours does the same)
+    independent("qwen3next");
 }
 
 fn independent(arch: &str) {
     let d = temp_dir(&format!("nextn-independent-{arch}"));
     let model_path = d.join("m.gguf");
     let ds = arch == "deepseek2";
-    let q35 = arch == "qwen35moe";
+    let q35 = arch == "qwen35moe" || arch == "qwen3next";
     // f32 weights: the GGUF holds exactly what the graph multiplies by; blocks 0 (dense), 1, 2
     // (nextn); qwen35moe: 0–2 gated delta net, 3 full attention (llama.cpp needs one), 4 (nextn)
     let n_layer = if q35 { 4 } else { 2 };
@@ -168,7 +171,7 @@ fn independent(arch: &str) {
             let mut m = mtp.batch();
             for i in 0..n_batch {
                 // token p with the trunk's state at p − 1
-                m.add_with_state(chunk[j * n_batch + i], (j * n_batch + i) as i32, 0, false, &prev);
+                m.add_with_state(chunk[j * n_batch + i], (j * n_batch + i) as i32, 0, arch == "qwen3next", &prev);
                 fed_h.extend_from_slice(&prev);
                 fed_t.push(chunk[j * n_batch + i] as usize);
                 prev.copy_from_slice(&hidden[i * n_embd..(i + 1) * n_embd]);
@@ -353,6 +356,7 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("glm4moe");
     nextn_path("deepseek2");
     nextn_path("qwen35moe");
+    nextn_path("qwen3next");
 }
 
 fn nextn_path(arch: &str) {
@@ -367,7 +371,7 @@ fn nextn_path(arch: &str) {
     let m: serde_json::Value = serde_json::from_slice(&read(&map)).unwrap();
     let blocks: Vec<u64> = m["layers"].as_array().unwrap().iter().map(|l| l["layer"].as_u64().unwrap()).collect();
     // glm4moe's and deepseek2's block 0 is dense
-    assert_eq!(blocks, if arch == "qwen35moe" { vec![0, 1, 2, 3, 4] } else { vec![1, 2, 3, 4] });
+    assert_eq!(blocks, if arch.starts_with("qwen3") { vec![0, 1, 2, 3, 4] } else { vec![1, 2, 3, 4] });
     // the block's dead experts are not kept while live ones are left out
     let nx = s.layers.last().unwrap();
     let kept: Vec<u64> = m["layers"][blocks.len() - 1]["keep"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap()).collect();

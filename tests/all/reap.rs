@@ -19,7 +19,7 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "qwen35moe"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "qwen35moe", "qwen3next"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         let glm_like = arch == "glm4moe" || arch == "deepseek2";
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
@@ -273,6 +273,8 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // qwen35moe: qwen3moe's renormalised softmax, the shared expert behind its sigmoid gate
     // beside the routed ones, block 1 a gated delta net block
     independent_computation("qwen35moe", true);
+    // qwen3next: the same routing; its delta net's beta and alpha in one matrix
+    independent_computation("qwen3next", true);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -289,7 +291,7 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
     let model_path = d.join("m.gguf");
     let group_flags: Vec<String> = groups.map_or_else(Vec::new, |(g, u)| vec!["--expert-groups".into(), g.to_string(), "--expert-groups-used".into(), u.to_string()]);
     // qwen35moe's first full-attention block is block 3 (llama.cpp needs one)
-    let layers = if arch == "qwen35moe" { "4" } else { "2" };
+    let layers = if arch == "qwen35moe" || arch == "qwen3next" { "4" } else { "2" };
     run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", layers, "-o"]).arg(&model_path).args(&group_flags));
     let n_ctx = 64usize;
     calibrate(&d, &model_path, &["-c", &n_ctx.to_string(), "-b", "64", "--chunks", "1", "--trace-out", "t.bin"]);

@@ -67,11 +67,11 @@ pub fn fixture(arch: &str) -> PathBuf {
 /// (`GGML_ASSERT(*cur_backend_id != -1)`) in upstream's llama-imatrix and llama-perplexity as in
 /// ours. And the AMX matmul multiplies only the first 2-D slice of a 3-D input: qwen35moe's
 /// gated delta net feeds `ssm_out` one once a batch holds two sequences, which upstream's tools
-/// get wrong silently and ours refuse (`drop_in::an_amx_matmul_of_a_3d_input_is_refused_…`).
+/// (and qwen3next's) get wrong silently and ours refuse (`drop_in::an_amx_matmul_of_a_3d_input_is_refused_…`).
 /// `-nr` turns the extra buffer types off; on a CPU without AMX it changes nothing for an
 /// f16 model (ggml repacks quantized types only), so a test means the same on every machine.
 pub fn cpu_flags(arch: &str) -> &'static [&'static str] {
-    if arch == "deepseek2" || arch == "qwen35moe" {
+    if arch == "deepseek2" || arch == "qwen35moe" || arch == "qwen3next" {
         &["-nr"]
     } else {
         &[]
