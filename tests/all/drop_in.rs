@@ -628,6 +628,23 @@ fn offloaded_through_rpc_is_byte_identical_and_reap_agrees_with_the_cpu() {
     }
 }
 
+/// The same for Qwen3.5-MoE's and Qwen3-Next's hybrid trunks, two sequences per batch: the
+/// gated delta net's convolution and recurrent states live on the server with the weights.
+#[test]
+fn hybrid_models_offloaded_through_rpc_are_byte_identical_and_reap_agrees_with_the_cpu() {
+    let server = RpcServer::start();
+    for arch in ["qwen35moe", "qwen3next"] {
+        let model = fixture(arch);
+        let flags = ["-c", "128", "-b", "256"];
+        let cpu = temp_dir(&format!("rpc-cpu-{arch}"));
+        run_ok(Command::new(ours()).current_dir(&cpu).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-o", "imatrix.gguf"]).args(args(&[&flags[..], cpu_flags(arch)].concat())));
+        let p = run_both(&format!("rpc-{arch}"), &model, "imatrix.gguf", &args(&[&flags[..], &["-ngl", "99", "--rpc", &server.endpoint]].concat()));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        reap_agrees_with_the_cpu(&p.ours_dir, &cpu);
+    }
+}
+
 fn reap_agrees_with_the_cpu(offloaded: &Path, cpu: &Path) {
     let read = |d: &Path| reap_imatrix::formats::saliency::Saliency::read(&d.join("imatrix.reap.json")).unwrap();
     let (off, host) = (read(offloaded), read(cpu));
