@@ -434,11 +434,12 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 /// the CPU run's byte for byte, the block's entries included; the block's sums agree with the
 /// CPU's (norms on the device in f32); with `--imatrix-on-device` the same counts and sums to
 /// f32 rounding; with `--domains` the block's sums split by domain; `check` passes on each. On
-/// glm4moe and deepseek2 (MLA's per-head attn_k_b and attn_v_b on the server).
+/// glm4moe, deepseek2 (MLA's per-head attn_k_b and attn_v_b on the server) and qwen3next (its
+/// MTP graph fed every token as an output).
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["glm4moe", "deepseek2"] {
+    for arch in ["glm4moe", "deepseek2", "qwen3next"] {
         offloaded(&server, arch);
     }
 }
