@@ -19,6 +19,10 @@ pub struct DeviceArgs {
     /// Model loading mode: auto, none, mmap, mlock, mmap+mlock, dio [-lm]
     #[arg(long = "load-mode", value_name = "MODE", default_value = "auto")]
     pub load_mode: String,
+    /// Keep the weights out of the CPU backend's extra buffer types (AMX, repacked layouts),
+    /// as llama.cpp's tools do with it; on a CPU with AMX some models need it [-nr]
+    #[arg(long = "no-repack")]
+    pub no_repack: bool,
 }
 
 impl DeviceArgs {
@@ -27,6 +31,8 @@ impl DeviceArgs {
         if let Some(servers) = &self.rpc {
             crate::calibrate::validate::rpc_servers(servers)?;
         }
-        Ok((model_params_of(&self.n_gpu_layers, &self.load_mode, self.rpc.clone())?, flash_attn_type(&self.flash_attn)?))
+        let mut p = model_params_of(&self.n_gpu_layers, &self.load_mode, self.rpc.clone())?;
+        p.use_extra_bufts = !self.no_repack;
+        Ok((p, flash_attn_type(&self.flash_attn)?))
     }
 }

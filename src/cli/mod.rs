@@ -87,7 +87,7 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
     if !subcommands().iter().any(|(n, _)| n == first) {
         return drop_in(argv);
     }
-    // trace-decode and eval take llama.cpp's single-dash long flags (-ngl, -ub, -fa, -lm) as the drop-in does
+    // trace-decode and eval take llama.cpp's single-dash long flags (-ngl, -ub, -fa, -lm, -nr) as the drop-in does
     let argv = if first == "trace-decode" || first == "eval" { argv::normalize(argv) } else { argv };
     let cli = match Tools::try_parse_from(&argv) {
         Ok(c) => c,

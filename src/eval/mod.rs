@@ -25,7 +25,7 @@ use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
 #[command(after_help = "Prints llama-perplexity --kl-divergence's statistics per model, then a table sorted by mean KLD.\n\
-Single-dash spellings -ngl, -ub, -fa, -lm are accepted. See docs/eval.md.")]
+Single-dash spellings -ngl, -ub, -fa, -lm, -nr are accepted. See docs/eval.md.")]
 pub struct EvalArgs {
     /// The reference model (its log-probs are the "base")
     #[arg(long, value_name = "MODEL.gguf")]

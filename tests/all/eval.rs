@@ -405,3 +405,32 @@ fn eval_keep_map_with_drop_nextn() {
     assert_eq!(m["top1_agree"].as_f64(), Some(1.0), "{m}");
     assert!(m["kld_mean"].as_f64().unwrap() < 1e-5 && m["kld_max"].as_f64().unwrap() < 1e-4, "{m}");
 }
+
+/// Qwen3.5-MoE's hybrid layout, several chunks per batch (so its gated delta net multiplies
+/// 3-D inputs): with `-nr` (`--no-repack`, which eval takes as llama.cpp's tools do) every
+/// figure is upstream llama-perplexity's `--kl-divergence` with `-nr`. Without it, on a CPU
+/// with AMX, eval refuses before any figure, naming `-nr` (`amx_guard`); elsewhere it gives
+/// the same figures.
+#[test]
+fn eval_of_a_hybrid_model_takes_no_repack_and_matches_upstream() {
+    let d = temp_dir("eval-hybrid");
+    let (base, other) = (seeded("qwen35moe", 1), seeded("qwen35moe", 2));
+    let up_file = d.join("upstream.kld");
+    let perplexity = |m: &Path, extra: &[&str]| {
+        run_ok(Command::new(reference_bin("llama-perplexity")).arg("-m").arg(m).args(["-c", CTX, "-b", "2048", "-t", "2", "-nr"]).args(extra).arg(&up_file))
+    };
+    perplexity(&base, &["-f", corpus().to_str().unwrap(), "--chunks", CHUNKS, "--kl-divergence-base"]);
+    let up = String::from_utf8_lossy(&perplexity(&other, &["--kl-divergence", "--kl-divergence-base"]).stdout).into_owned();
+    let (_, v) = eval(&d, &base, &[&other], &["-nr"]);
+    assert_matches_upstream(&v["models"][0], &up);
+    let out = run(&mut eval_cmd(&d, &base, &["--model", other.to_str().unwrap()]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    if cpu_has_amx() {
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("sits in ggml's AMX buffer") && err.contains("--no-repack (-nr)"), "{err}");
+    } else {
+        assert!(out.status.success(), "{err}");
+        let (_, w) = eval(&d, &base, &[&other], &[]);
+        assert_matches_upstream(&w["models"][0], &up);
+    }
+}
