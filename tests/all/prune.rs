@@ -4,6 +4,7 @@
 
 use super::util::*;
 use reap_imatrix::formats::gguf::Header;
+use reap_imatrix::formats::imatrix;
 use reap_imatrix::formats::saliency::Saliency;
 use reap_imatrix::formats::trace::TraceReader;
 use serde_json::{json, Value};
@@ -1048,4 +1049,53 @@ fn keep_map_rerouting_follows_a_group_routed_pruned_model() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("keeps [8, 8, 0, 0] experts of its 4 expert groups") && !out_json.exists(), "{err}");
+}
+
+/// A model converted with `--fuse-gate-up-exps` (`ffn_gate_up_exps`: each expert's gate rows,
+/// then its up rows), on the archs whose loader takes it: the same values as the unfused
+/// fixture compute the same thing, so calibration gives the unfused run's trace byte for byte
+/// and its REAP sums bit for bit, the fused entry's Σx² is the unfused gate's (and upstream's
+/// file byte for byte); select keeps the same experts; prune slices the fused tensor and its
+/// imatrix entry, and the pruned model has the pruned unfused model's PPL and quantizes with
+/// that imatrix.
+#[test]
+fn fused_gate_up_experts_calibrate_and_prune_as_the_unfused() {
+    for arch in ["qwen35moe", "deepseek2"] {
+        let d = temp_dir(&format!("fused-{arch}"));
+        let plain = fixture(arch);
+        let fused = fixture_with(&format!("{arch}-fused"), &["--arch", arch, "--fuse-gate-up"]);
+        let flags = [&["-c", "256", "-b", "512", "--chunks", "4", "-t", "2", "--no-ppl"][..], cpu_flags(arch)].concat();
+        let calibrate = |name: &str, model: &Path| {
+            run_ok(Command::new(ours()).current_dir(&d).arg("-m").arg(model).arg("-f").arg(corpus()).args(&flags).args(["-o", &format!("{name}.gguf"), "--trace-out", &format!("{name}.trace")]));
+            Saliency::read(&d.join(format!("{name}.reap.json"))).unwrap()
+        };
+        let (a, b) = (calibrate("plain", &plain), calibrate("fused", &fused));
+        assert_same_bytes(&d.join("plain.trace"), &d.join("fused.trace"));
+        assert_eq!(a.layers, b.layers, "{arch}: the REAP sums");
+        std::fs::create_dir_all(d.join("up")).unwrap();
+        run_ok(Command::new(reference_bin("llama-imatrix")).current_dir(d.join("up")).arg("-m").arg(&fused).arg("-f").arg(corpus()).args(&flags).args(["-o", "fused.gguf"]));
+        assert_same_bytes(&d.join("fused.gguf"), &d.join("up/fused.gguf"));
+        let (ia, ib) = (imatrix::load(&d.join("plain.gguf")).unwrap(), imatrix::load(&d.join("fused.gguf")).unwrap());
+        let layer = a.layers[0].layer;
+        let (g, f) = (&ia.entries[&format!("blk.{layer}.ffn_gate_exps.weight")], &ib.entries[&format!("blk.{layer}.ffn_gate_up_exps.weight")]);
+        assert!(g.counts == f.counts && g.sums == f.sums, "{arch}: the fused entry is the gate's");
+        assert!(!ib.entries.keys().any(|n| n.contains("ffn_gate_exps") || n.contains("ffn_up_exps")));
+
+        let pruned = |name: &str, model: &Path| {
+            let maps = format!("maps-{name}");
+            run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", &format!("{name}.reap.json"), "--method", "reap_mean", "--k", "16", "--out-dir", &maps]));
+            let out = d.join(format!("p-{name}.gguf"));
+            prune_ok(model, &d.join(&maps).join("keep_reap_mean_k16.json"), &out, &["--drop-nextn", "--imatrix", &format!("{name}.gguf"), "--imatrix-out", &format!("p-{name}.imatrix.gguf")]);
+            let m: Value = serde_json::from_slice(&read(&d.join(&maps).join("keep_reap_mean_k16.json"))).unwrap();
+            (out, m["layers"].clone())
+        };
+        let ((pa, ka), (pb, kb)) = (pruned("plain", &plain), pruned("fused", &fused));
+        assert_eq!(ka, kb, "{arch}: the kept experts");
+        let h = read(&pb);
+        let hb = Header::parse(&h).unwrap();
+        assert_eq!(hb.tensors.iter().find(|t| t.name == format!("blk.{layer}.ffn_gate_up_exps.weight")).map(|t| t.ne[..3].to_vec()), Some(vec![64, 64, 16]));
+        assert_eq!(upstream_ppl(&pa), upstream_ppl(&pb), "{arch}: the pruned models");
+        let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "p-fused.imatrix.gguf", "p-fused.gguf", "p-fused.q4_0.gguf", "Q4_0"]));
+        assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    }
 }

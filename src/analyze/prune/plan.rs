@@ -64,16 +64,19 @@ pub fn imatrix_per_expert(name: &str) -> Result<Option<u32>, String> {
     Ok((entry && IMATRIX_PER_EXPERT.contains(&base)).then_some(n))
 }
 
-/// Whether an imatrix was collected on this model: each `<weight>.in_sum2` `[n_in, n_mat]`
-/// names a tensor of the model with `ne[0] = n_in` and `n_mat` matrices (`ne[2]` of an expert
-/// weight, else 1), as `llama-quantize` will require of the pruned pair.
+/// Whether an imatrix was collected on this model: each `<weight>.in_sum2` names a tensor of
+/// the model and holds `ne[0] × ne[2]` sums, as `llama-quantize` requires of the pruned pair
+/// (its only check). A per-expert entry, which prune slices, must be `[ne[0], ne[2]]`: one
+/// matrix of sums per expert. Others need not be: upstream stores a 3-D weight that is not
+/// per expert (deepseek2's per-head `attn_k_b` [16, 32, 4]) as `[64, 1]`, one count in all.
 pub fn imatrix_fits(im: &Header, model: &Header) -> Result<(), String> {
     for t in &im.tensors {
         let Some(weight) = t.name.strip_suffix(".in_sum2") else { continue };
         let m = model.tensors.iter().find(|m| m.name == weight).ok_or_else(|| format!("entry {}: the model has no tensor {weight}", t.name))?;
         let want = (m.ne[0], m.ne.get(2).copied().unwrap_or(1));
         let got = (t.ne[0], t.ne.get(1).copied().unwrap_or(1));
-        if got != want {
+        let per_expert = imatrix_per_expert(&t.name)?.is_some();
+        if (per_expert && got != want) || got.0 * got.1 != want.0 * want.1 {
             return Err(format!(
                 "entry {}: sums for {} columns × {} matrices, but the model's {weight} has shape {:?} ({} × {})",
                 t.name, got.0, got.1, m.ne, want.0, want.1
@@ -221,6 +224,17 @@ mod tests {
         let other = header(&[info("blk.9.attn_q.weight.in_sum2", &[64, 1], f32_)]);
         let e = imatrix_fits(&Header::parse(&other).unwrap(), &model).unwrap_err();
         assert!(e.contains("the model has no tensor blk.9.attn_q.weight"), "{e}");
+        // a 3-D weight that is not per expert (deepseek2's per-head attn_k_b [16, 32, 4]):
+        // upstream writes its 16 × 4 sums as [64, 1], which llama-quantize takes (it checks the
+        // size only); per expert, [128, 1] of the same size is refused (prune slices by matrix)
+        let mla = Header::parse(&header(&[info("blk.0.attn_k_b.weight", &[16, 32, 4], f32_), info("blk.0.ffn_down_exps.weight", &[16, 64, 8], f32_)])).unwrap();
+        let im = |kb: &[u64], down: &[u64]| Header::parse(&header(&[info("blk.0.attn_k_b.weight.in_sum2", kb, f32_), info("blk.0.ffn_down_exps.weight.in_sum2", down, f32_)])).unwrap();
+        assert_eq!(imatrix_fits(&im(&[64, 1], &[16, 8]), &mla), Ok(()));
+        assert_eq!(imatrix_fits(&im(&[16, 4], &[16, 8]), &mla), Ok(()));
+        let e = imatrix_fits(&im(&[48, 1], &[16, 8]), &mla).unwrap_err();
+        assert!(e.contains("attn_k_b.weight.in_sum2: sums for 48 columns × 1 matrices") && e.contains("(16 × 4)"), "{e}");
+        let e = imatrix_fits(&im(&[64, 1], &[128, 1]), &mla).unwrap_err();
+        assert!(e.contains("ffn_down_exps.weight.in_sum2: sums for 128 columns × 1 matrices"), "{e}");
     }
 
     #[test]
