@@ -66,7 +66,7 @@ pub fn weighting(s: &Saliency, renormalize: bool) -> std::result::Result<Weighti
     // the reference always takes a softmax over the router logits
     if routing.softmax() == Some(false) {
         return Err(format!(
-            "the model's router probabilities come from {}, not a softmax: the reference's weights cannot be derived",
+            "the model's router probabilities come from {}, not a softmax: the reference's weights cannot be derived (CerebrasResearch/reap takes a softmax of the raw logits and its own top-k of them, without a selection bias such as exp_probs_b; where that bias moves a token's top-k, the reference weighs experts the model never ran for that token, whose outputs no llama.cpp pass computes)",
             routing.probs_op.as_deref().unwrap_or("?")
         ));
     }

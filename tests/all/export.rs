@@ -63,7 +63,7 @@ fn assert_export_matches(arch: &str, s: &Saliency, v: &Value, renormalized: bool
 
 #[test]
 fn export_gives_the_saliency_sums_in_the_reference_terms_on_every_fixture_arch() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "qwen35moe"] {
         let d = temp_dir(&format!("export-{arch}"));
         let sal = calibrated(&d, arch);
         let s = Saliency::read(&sal).unwrap();
