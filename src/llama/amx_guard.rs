@@ -11,7 +11,9 @@
 //! sequences per batch and 20896 with one, and 20896 both ways with `-nr`.
 //!
 //! So the callback, asked about a matmul node, refuses one whose weight is in an AMX buffer
-//! and whose input has more than one 2-D slice, before anything of that ubatch is kept.
+//! and whose input has more than one 2-D slice: it asks for the node, and when ggml hands it
+//! over computed, stops the graph before any node reads it; the decode returns the refusal
+//! as its error, so nothing of that ubatch reaches a file.
 
 use super::sys;
 use super::tensor::Node;
