@@ -19,7 +19,7 @@ use super::sys;
 use super::tensor::Node;
 use std::ffi::CStr;
 
-/// Why `node` must not be computed, if it is such a matmul.
+/// Why the graph must stop at `node` (before anything reads it), if it is such a matmul.
 pub(crate) fn refuse(node: Node<'_>) -> Option<String> {
     let t = node.info();
     if t.op != sys::GGML_OP_MUL_MAT {
