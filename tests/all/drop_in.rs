@@ -139,6 +139,23 @@ fn glm4moe_is_byte_identical() {
     p.assert_same_ppl();
 }
 
+/// minimax-m2 (MiniMax-M2's layout): glm4moe's sigmoid router with a selection bias in every
+/// block, one q and one k RMSNorm over all heads, half of each head rotated, heads wider than
+/// n_embd / n_head (4 × 32 against n_embd 64, as MiniMax-M2's 48 × 128 against 3072); one
+/// sequence per batch and two.
+#[test]
+fn minimax_m2_is_byte_identical() {
+    let model = fixture_with("minimax-m2-hd32", &["--arch", "minimax-m2", "--head-dim", "32"]);
+    for (key, c, b) in [("mm2-c256", "256", "256"), ("mm2-c128-b256", "128", "256")] {
+        let p = run_both(key, &model, "imatrix.gguf", &args(&["-c", c, "-b", b]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        assert_eq!(m.entries["blk.0.attn_output.weight"].sums.len(), 128);
+        assert_eq!(m.entries["blk.0.ffn_down_exps.weight"].sums.len(), 32 * 32);
+    }
+}
+
 /// qwen35moe (Qwen3.5-MoE's layout): gated delta net blocks (attn_qkv into a causal
 /// convolution, the output gate attn_gate, ssm_alpha/ssm_beta, ssm_out) with full attention
 /// (q and its sigmoid gate in one matrix) every fourth block, the shared expert behind its

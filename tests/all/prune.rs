@@ -826,14 +826,15 @@ fn first_layer_picks(trace: &Path, kept: &[u16]) -> Vec<Vec<u16>> {
 }
 
 /// Writes a keep map of `keep` (one list per block of `blocks`, `k` each) as `d/kK.json`,
-/// prunes `model` by it (without its nextn block) and traces the pruned model: the map's path
+/// prunes `model` by it (without its nextn block, where it has one) and traces the pruned model: the map's path
 /// and the pruned model's first-MoE-layer picks as original ids ([first_layer_picks]).
 fn prune_and_trace(d: &Path, model: &Path, keep: &[Vec<u16>], blocks: &[u32], k: &str) -> (PathBuf, Vec<Vec<u16>>) {
     let layers: Vec<Value> = keep.iter().zip(blocks).map(|(l, b)| json!({"layer": b, "keep": l})).collect();
     let v = json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": k.parse::<u64>().unwrap(), "layers": layers});
     let map = write_map(&d.join(format!("k{k}.json")), v);
     let pruned = d.join("p.gguf");
-    prune_ok(model, &map, &pruned, &["--drop-nextn"]);
+    let has_nextn = Header::parse(&read(model)).unwrap().kvs.iter().any(|kv| kv.key.ends_with(".nextn_predict_layers"));
+    prune_ok(model, &map, &pruned, if has_nextn { &["--drop-nextn"] } else { &[] });
     (map, first_layer_picks(&trace_of(&d.join("pruned"), &pruned, k), &keep[0]))
 }
 
@@ -858,11 +859,13 @@ fn keep_flags(keep: &[Vec<u16>], ne: usize) -> Vec<bool> {
 /// before, many tokens re-route wrongly, and `replay` says so without --model.
 #[test]
 fn keep_map_rerouting_follows_the_pruned_model_under_a_selection_bias() {
-    reroute_against_the_pruned_model("glm4moe", &["--arch", "glm4moe"], false);
-    reroute_against_the_pruned_model("glm4moe-softmax", &["--arch", "glm4moe", "--softmax-router"], true);
+    reroute_against_the_pruned_model("glm4moe", &["--arch", "glm4moe"], false, &[1, 2, 3]);
+    reroute_against_the_pruned_model("glm4moe-softmax", &["--arch", "glm4moe", "--softmax-router"], true, &[1, 2, 3]);
+    // MiniMax-M2's routing: glm4moe's, in every block
+    reroute_against_the_pruned_model("minimax-m2", &["--arch", "minimax-m2"], false, &[0, 1, 2, 3]);
 }
 
-fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: bool) {
+fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: bool, moe_blocks: &[u32]) {
     use reap_imatrix::analyze::replay::engine::{Keep, Router, Shape};
     use reap_imatrix::analyze::replay::gguf::selection_bias;
     let d = temp_dir(&format!("prune-reroute-{key}"));
@@ -872,20 +875,20 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
     let sal = Saliency::read(&d.join("orig/imatrix.reap.json")).unwrap();
     assert_eq!(sal.routing().probs_op.as_deref() == Some("SOFT_MAX"), softmax, "{key}");
     let blocks: Vec<u32> = sal.layers.iter().map(|l| l.layer).collect();
-    assert_eq!(blocks, [1, 2, 3]);
+    assert_eq!(blocks, moe_blocks, "{key}");
     // 12 of 32 per layer: the most used, so that most tokens lose some of their picks
     let keep = most_used(&sal, 12);
     let (map, truth) = prune_and_trace(&d, &model, &keep, &blocks, "12");
     let ne = 32usize;
     let flags = keep_flags(&keep, ne);
-    let bias = selection_bias(&model, &blocks, ne).unwrap().expect("glm4moe has exp_probs_b");
+    let bias = selection_bias(&model, &blocks, ne).unwrap().expect("the model has exp_probs_b");
     for (trace, name) in [(&full, "top-32"), (&top10, "top-10")] {
         if softmax && name == "top-10" {
             continue; // refused below
         }
         let tr = TraceReader::open(trace).unwrap();
         assert_eq!(tr.n_rows as usize, truth.len());
-        let shape = Shape { n_layers: 3, n_expert: ne, k: tr.header.k as usize };
+        let shape = Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
         let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: softmax, groups: None }), false);
         let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None, renormalise: false, groups: None }), false);
         // a softmax's p + b without the renormalisation

@@ -19,9 +19,10 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "qwen35moe", "qwen3next"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "qwen35moe", "qwen3next", "minimax-m2"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         let glm_like = arch == "glm4moe" || arch == "deepseek2";
+        let sigmoid = glm_like || arch == "minimax-m2";
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
         let out = check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]);
         let text = String::from_utf8_lossy(&out.stdout);
@@ -37,10 +38,10 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         // gpt-oss: the graph's probs are logits; p and the sums from the softmax taken here
         assert_eq!(s.routing().probs_from_logits, Some(arch == "gpt-oss"), "{arch}");
         // glm4moe, deepseek2: blocks 1–3 (0 is dense; the nextn block 4 is never run, nor is
-        // qwen35moe's); sigmoid router
+        // qwen35moe's); sigmoid router (and minimax-m2's, in every block)
         let blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
         assert_eq!(blocks, if glm_like { vec![1, 2, 3] } else { vec![0, 1, 2, 3] }, "{arch}");
-        assert_eq!(s.routing().softmax(), Some(!glm_like), "{arch}");
+        assert_eq!(s.routing().softmax(), Some(!sigmoid), "{arch}");
         if arch != "qwen2moe" && arch != "deepseek2" {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
@@ -275,6 +276,8 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     independent_computation("qwen35moe", true);
     // qwen3next: the same routing; its delta net's beta and alpha in one matrix
     independent_computation("qwen3next", true);
+    // minimax-m2: glm4moe's routing in every block (block 1 here; no shared expert)
+    independent_computation("minimax-m2", true);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -283,7 +286,7 @@ fn independent_computation(arch: &str, normalised: bool) {
 
 fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<(usize, usize)>) {
     let gpt_oss = arch == "gpt-oss";
-    let sigmoid = arch == "glm4moe" || arch == "deepseek2";
+    let sigmoid = arch == "glm4moe" || arch == "deepseek2" || arch == "minimax-m2";
     // DeepSeek-V3's routed_scaling_factor, on the renormalised gates
     let scale = if arch == "deepseek2" { reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64 } else { 1.0 };
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
