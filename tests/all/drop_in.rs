@@ -156,6 +156,26 @@ fn minimax_m2_is_byte_identical() {
     }
 }
 
+/// nemotron_h_moe (Nemotron-3's layout): Mamba2 mixers (`ssm_in`, the causal convolution, the
+/// selective scan, the grouped gated norm, `ssm_out`), attention without rotary embedding, and
+/// MoE blocks whose experts have no gate (down·relu²(up·x)) beside a shared expert, routed by a
+/// sigmoid with a selection bias; one sequence per batch and two (each its own recurrent state).
+#[test]
+fn nemotron_h_moe_is_byte_identical() {
+    let model = fixture("nemotron_h_moe");
+    for (key, c, b) in [("nh-c256", "256", "256"), ("nh-c128-b256", "128", "256")] {
+        let p = run_both(key, &model, "imatrix.gguf", &args(&["-c", c, "-b", b]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // the mixer's projections and the gateless experts are collected; no gate anywhere
+        for t in ["blk.0.ssm_in.weight", "blk.0.ssm_out.weight", "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight", "blk.2.attn_q.weight"] {
+            assert!(m.entries.contains_key(t), "{key}: no {t}");
+        }
+        assert!(!m.entries.keys().any(|k| k.contains("gate_exps")), "{key}");
+    }
+}
+
 /// qwen35moe (Qwen3.5-MoE's layout): gated delta net blocks (attn_qkv into a causal
 /// convolution, the output gate attn_gate, ssm_alpha/ssm_beta, ssm_out) with full attention
 /// (q and its sigmoid gate in one matrix) every fourth block, the shared expert behind its

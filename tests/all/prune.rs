@@ -44,7 +44,12 @@ fn write_map(path: &Path, v: Value) -> PathBuf {
 
 /// A map keeping `keep[i]` in block `BLOCKS[i]`.
 fn map_json(keep: &[Vec<u16>]) -> Value {
-    let layers: Vec<Value> = keep.iter().zip(BLOCKS).map(|(k, b)| json!({"layer": b, "keep": k})).collect();
+    map_json_for(keep, &BLOCKS)
+}
+
+/// A map keeping `keep[i]` in block `blocks[i]`.
+fn map_json_for(keep: &[Vec<u16>], blocks: &[u32]) -> Value {
+    let layers: Vec<Value> = keep.iter().zip(blocks).map(|(k, b)| json!({"layer": b, "keep": k})).collect();
     json!({"format": "reap-keep-map", "version": 1, "method": "test", "k": keep[0].len(), "layers": layers})
 }
 
@@ -239,14 +244,17 @@ fn experts_are_sliced_along_the_outermost_axis_even_when_sizes_coincide() {
 
 /// The sliced imatrix is what upstream llama-quantize --imatrix needs for the pruned model:
 /// the unsliced one is refused (the control), the sliced one quantizes; its per-expert values
-/// are the kept experts' columns of the original.
+/// are the kept experts' columns of the original. Also on minimax-m2 (a selection bias to
+/// slice) and nemotron_h_moe (MoE in blocks 1 and 3 only, experts without a gate).
 #[test]
 fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
-    for arch in ARCHS {
+    for &arch in ARCHS.iter().chain(&["minimax-m2", "nemotron_h_moe"]) {
         let d = temp_dir(&format!("prune-quantize-{arch}"));
         calibrate(&d, &fixture(arch));
-        let keep: Vec<Vec<u16>> = BLOCKS.iter().map(|&b| vec![0, 3, 4, 9, 17, 30 - b as u16]).collect();
-        let map = write_map(&d.join("k6.json"), map_json(&keep));
+        let blocks: Vec<u32> = Saliency::read(&d.join("imatrix.reap.json")).unwrap().layers.iter().map(|l| l.layer).collect();
+        assert_eq!(blocks, if arch == "nemotron_h_moe" { &[1, 3][..] } else { &BLOCKS[..] }, "{arch}");
+        let keep: Vec<Vec<u16>> = blocks.iter().map(|&b| vec![0, 3, 4, 9, 17, 30 - b as u16]).collect();
+        let map = write_map(&d.join("k6.json"), map_json_for(&keep, &blocks));
         prune_ok(&fixture(arch), &map, &d.join("p.gguf"), &["--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"]);
         let quantize = |im: &str, out: &str| {
             run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", im, "p.gguf", out, "Q4_0"]))
@@ -270,7 +278,7 @@ fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
                 assert_eq!((&f.sums, &f.counts), (&s.sums, &s.counts), "{name}");
                 continue;
             }
-            let slot = BLOCKS.iter().position(|&b| name.starts_with(&format!("blk.{b}."))).unwrap();
+            let slot = blocks.iter().position(|&b| name.starts_with(&format!("blk.{b}."))).unwrap();
             let n_in = f.sums.len() / f.counts.len();
             for (j, &e) in keep[slot].iter().enumerate() {
                 assert_eq!(s.counts[j], f.counts[e as usize], "{name}");
@@ -278,7 +286,8 @@ fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
             }
             n_sliced += 1;
         }
-        assert_eq!(n_sliced, 3 * BLOCKS.len(), "{arch}: gate, up and down per layer");
+        let per_layer = if arch == "nemotron_h_moe" { 2 } else { 3 };
+        assert_eq!(n_sliced, per_layer * blocks.len(), "{arch}: gate (but nemotron_h_moe's), up and down per layer");
     }
 }
 
@@ -863,6 +872,9 @@ fn keep_map_rerouting_follows_the_pruned_model_under_a_selection_bias() {
     reroute_against_the_pruned_model("glm4moe-softmax", &["--arch", "glm4moe", "--softmax-router"], true, &[1, 2, 3]);
     // MiniMax-M2's routing: glm4moe's, in every block
     reroute_against_the_pruned_model("minimax-m2", &["--arch", "minimax-m2"], false, &[0, 1, 2, 3]);
+    // Nemotron-3's: in its MoE blocks, after a Mamba2 mixer; its file names no gating function
+    // (the graph's own sigmoid), so replay takes the router's kind from the run's --reap
+    reroute_against_the_pruned_model("nemotron_h_moe", &["--arch", "nemotron_h_moe"], false, &[1, 3]);
 }
 
 fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: bool, moe_blocks: &[u32]) {
@@ -929,7 +941,17 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
     let replay = |trace: &Path, extra: &[&std::ffi::OsStr]| {
         run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(trace).arg("--keep-map").arg(&map).arg("--json").arg(&out_json).args(extra))
     };
+    let has_gating_kv = Header::parse(&read(&model)).unwrap().kvs.iter().any(|kv| kv.key.ends_with(".expert_gating_func"));
+    let reap_json = d.join("orig/imatrix.reap.json");
     let o = replay(&full, &["--model".as_ref(), model.as_os_str()]);
+    let o = if has_gating_kv {
+        o
+    } else {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{key}: {err}");
+        assert!(err.contains("no expert_gating_func key") && err.contains("give --reap"), "{key}: {err}");
+        replay(&full, &["--model".as_ref(), model.as_os_str(), "--reap".as_ref(), reap_json.as_os_str()])
+    };
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
     let v: Value = serde_json::from_slice(&read(&out_json)).unwrap();
     let want = if softmax { "renormalised probability + selection bias" } else { "probability + selection bias" };
@@ -943,7 +965,7 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
     // a few rows of the trace: its first rows show the bias all the same
     let o = replay(&full, &["--tokens".as_ref(), "500..502".as_ref()]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("selection bias"), "{}", String::from_utf8_lossy(&o.stderr));
-    if !softmax {
+    if !softmax && key == "glm4moe" {
         // selection by the raw logits + bias (gating 3): the trace holds no logits; refused
         let g3 = d.join("gating3.gguf");
         let mut v = 4u32.to_le_bytes().to_vec();

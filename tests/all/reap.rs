@@ -19,10 +19,11 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "qwen35moe", "qwen3next", "minimax-m2"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         let glm_like = arch == "glm4moe" || arch == "deepseek2";
-        let sigmoid = glm_like || arch == "minimax-m2";
+        let nemotron = arch == "nemotron_h_moe";
+        let sigmoid = glm_like || arch == "minimax-m2" || nemotron;
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
         let out = check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]);
         let text = String::from_utf8_lossy(&out.stdout);
@@ -40,13 +41,16 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         // glm4moe, deepseek2: blocks 1–3 (0 is dense; the nextn block 4 is never run, nor is
         // qwen35moe's); sigmoid router (and minimax-m2's, in every block)
         let blocks: Vec<u32> = s.layers.iter().map(|l| l.layer).collect();
-        assert_eq!(blocks, if glm_like { vec![1, 2, 3] } else { vec![0, 1, 2, 3] }, "{arch}");
+        // nemotron_h_moe: blocks 1 and 3 (0 is a Mamba2 mixer, 2 attention)
+        let want = if glm_like { vec![1, 2, 3] } else if nemotron { vec![1, 3] } else { vec![0, 1, 2, 3] };
+        assert_eq!(blocks, want, "{arch}");
         assert_eq!(s.routing().softmax(), Some(!sigmoid), "{arch}");
-        if arch != "qwen2moe" && arch != "deepseek2" {
+        if arch != "qwen2moe" && arch != "deepseek2" && !nemotron {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
         } else {
-            // qwen2moe does not normalise its top-k weights, deepseek2 scales them by 2.5 after
+            // qwen2moe does not normalise its top-k weights, deepseek2 and nemotron_h_moe scale
+            // them by 2.5 after
             assert!(!text.contains("(normalised gating)"), "{arch}'s gates do not sum to 1:\n{text}");
         }
     }
@@ -278,6 +282,9 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     independent_computation("qwen3next", true);
     // minimax-m2: glm4moe's routing in every block (block 1 here; no shared expert)
     independent_computation("minimax-m2", true);
+    // nemotron_h_moe: deepseek2's routing (scaled by 2.5), experts without a gate
+    // (down·relu²(up·x)), block 1 after a Mamba2 mixer
+    independent_computation("nemotron_h_moe", false);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -286,15 +293,21 @@ fn independent_computation(arch: &str, normalised: bool) {
 
 fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<(usize, usize)>) {
     let gpt_oss = arch == "gpt-oss";
-    let sigmoid = arch == "glm4moe" || arch == "deepseek2" || arch == "minimax-m2";
-    // DeepSeek-V3's routed_scaling_factor, on the renormalised gates
-    let scale = if arch == "deepseek2" { reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64 } else { 1.0 };
+    let nemotron = arch == "nemotron_h_moe";
+    let sigmoid = arch == "glm4moe" || arch == "deepseek2" || arch == "minimax-m2" || nemotron;
+    // DeepSeek-V3's (and Nemotron-3's) routed_scaling_factor, on the renormalised gates
+    let scale = match arch {
+        "deepseek2" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
+        "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
+        _ => 1.0,
+    };
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
     let d = temp_dir(&format!("reap-independent-{arch}{}", if groups.is_some() { "-groups" } else { "" }));
     let model_path = d.join("m.gguf");
     let group_flags: Vec<String> = groups.map_or_else(Vec::new, |(g, u)| vec!["--expert-groups".into(), g.to_string(), "--expert-groups-used".into(), u.to_string()]);
-    // qwen35moe's first full-attention block is block 3 (llama.cpp needs one)
-    let layers = if arch == "qwen35moe" || arch == "qwen3next" { "4" } else { "2" };
+    // qwen35moe's first full-attention block is block 3, nemotron_h_moe's block 2 (llama.cpp
+    // needs one)
+    let layers = if arch == "qwen35moe" || arch == "qwen3next" || nemotron { "4" } else { "2" };
     run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", layers, "-o"]).arg(&model_path).args(&group_flags));
     let n_ctx = 64usize;
     calibrate(&d, &model_path, &["-c", &n_ctx.to_string(), "-b", "64", "--chunks", "1", "--trace-out", "t.bin"]);
@@ -323,10 +336,12 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
     assert_eq!(cap.x.len(), n_ctx * n_embd);
 
     let (router, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_inp.weight"));
-    let (gate, gne) = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_exps.weight"));
-    let (up, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight"));
+    // nemotron_h_moe's experts have no gate: down·relu²(up·x)
+    let gate = gguf_f32_opt(&model_path, &format!("blk.{block}.ffn_gate_exps.weight"));
+    assert_eq!(gate.is_none(), nemotron, "{arch}: ffn_gate_exps");
+    let (up, une) = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight"));
     let (down, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_down_exps.weight"));
-    let n_ff = gne[1] as usize;
+    let n_ff = une[1] as usize;
     let bias = |t: &str| gguf_f32_opt(&model_path, &format!("blk.{block}.{t}.bias"));
     let (router_b, gate_b, up_b, down_b) = (bias("ffn_gate_inp"), bias("ffn_gate_exps"), bias("ffn_up_exps"), bias("ffn_down_exps"));
     assert_eq!(router_b.is_some() && gate_b.is_some() && up_b.is_some() && down_b.is_some(), gpt_oss, "{arch}: expert biases");
@@ -391,8 +406,9 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
             let g = scale * probs[e] / wsum;
             let h: Vec<f64> = (0..n_ff)
                 .map(|i| {
-                    let a = dot_row(&gate, n_embd, n_ff, e, i, &x) + b_at(&gate_b, e * n_ff + i);
                     let b = dot_row(&up, n_embd, n_ff, e, i, &x) + b_at(&up_b, e * n_ff + i);
+                    let Some(gate) = &gate else { return b.max(0.0).powi(2) };
+                    let a = dot_row(gate, n_embd, n_ff, e, i, &x) + b_at(&gate_b, e * n_ff + i);
                     if gpt_oss {
                         // gpt-oss's clamped SwiGLU (alpha 1.702, limit 7)
                         let (a, b) = (a.min(7.0), b.clamp(-7.0, 7.0));
