@@ -159,12 +159,13 @@ fn minimax_m2_is_byte_identical() {
 /// nemotron_h_moe (Nemotron-3's layout): Mamba2 mixers (`ssm_in`, the causal convolution, the
 /// selective scan, the grouped gated norm, `ssm_out`), attention without rotary embedding, and
 /// MoE blocks whose experts have no gate (down·relu²(up·x)) beside a shared expert, routed by a
-/// sigmoid with a selection bias; one sequence per batch and two (each its own recurrent state).
+/// sigmoid with a selection bias; one sequence per batch and two (each its own recurrent state),
+/// and with the experts in a latent space (`--moe-latent`, Nemotron-3-Super's).
 #[test]
 fn nemotron_h_moe_is_byte_identical() {
-    let model = fixture("nemotron_h_moe");
-    for (key, c, b) in [("nh-c256", "256", "256"), ("nh-c128-b256", "128", "256")] {
-        let p = run_both(key, &model, "imatrix.gguf", &args(&["-c", c, "-b", b]));
+    let (plain, latent) = (fixture("nemotron_h_moe"), fixture_with("nemotron_h_moe-latent", &["--arch", "nemotron_h_moe", "--moe-latent", "24"]));
+    for (key, model, c, b) in [("nh-c256", &plain, "256", "256"), ("nh-c128-b256", &plain, "128", "256"), ("nh-latent", &latent, "256", "256")] {
+        let p = run_both(key, model, "imatrix.gguf", &args(&["-c", c, "-b", b]));
         p.assert_same_file("imatrix.gguf");
         p.assert_same_ppl();
         let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
@@ -173,6 +174,13 @@ fn nemotron_h_moe_is_byte_identical() {
             assert!(m.entries.contains_key(t), "{key}: no {t}");
         }
         assert!(!m.entries.keys().any(|k| k.contains("gate_exps")), "{key}");
+        // Nemotron-3-Super's latent MoE: the projections into and out of the latent space
+        // too, and the experts' entries as wide as the latent
+        if model == &latent {
+            assert_eq!(m.entries["blk.1.ffn_latent_down.weight"].sums.len(), 64, "{key}");
+            assert_eq!(m.entries["blk.1.ffn_latent_up.weight"].sums.len(), 24, "{key}");
+            assert_eq!(m.entries["blk.1.ffn_up_exps.weight"].sums.len(), 24 * 32, "{key}");
+        }
     }
 }
 

@@ -285,6 +285,9 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // nemotron_h_moe: deepseek2's routing (scaled by 2.5), experts without a gate
     // (down·relu²(up·x)), block 1 after a Mamba2 mixer
     independent_computation("nemotron_h_moe", false);
+    // and with Nemotron-3-Super's latent MoE: the experts read ffn_latent_down·x and their
+    // outputs (whose norms REAP sums) are in that latent space, before ffn_latent_up
+    independent_computation_with("nemotron_h_moe", false, None, &["--moe-latent", "24"]);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -292,6 +295,10 @@ fn independent_computation(arch: &str, normalised: bool) {
 }
 
 fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<(usize, usize)>) {
+    independent_computation_with(arch, normalised, groups, &[])
+}
+
+fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(usize, usize)>, fixture_flags: &[&str]) {
     let gpt_oss = arch == "gpt-oss";
     let nemotron = arch == "nemotron_h_moe";
     let sigmoid = arch == "glm4moe" || arch == "deepseek2" || arch == "minimax-m2" || nemotron;
@@ -302,13 +309,13 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
         _ => 1.0,
     };
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
-    let d = temp_dir(&format!("reap-independent-{arch}{}", if groups.is_some() { "-groups" } else { "" }));
+    let d = temp_dir(&format!("reap-independent-{arch}{}{}", if groups.is_some() { "-groups" } else { "" }, fixture_flags.join("")));
     let model_path = d.join("m.gguf");
     let group_flags: Vec<String> = groups.map_or_else(Vec::new, |(g, u)| vec!["--expert-groups".into(), g.to_string(), "--expert-groups-used".into(), u.to_string()]);
     // qwen35moe's first full-attention block is block 3, nemotron_h_moe's block 2 (llama.cpp
     // needs one)
     let layers = if arch == "qwen35moe" || arch == "qwen3next" || nemotron { "4" } else { "2" };
-    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", layers, "-o"]).arg(&model_path).args(&group_flags));
+    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", layers, "-o"]).arg(&model_path).args(&group_flags).args(fixture_flags));
     let n_ctx = 64usize;
     calibrate(&d, &model_path, &["-c", &n_ctx.to_string(), "-b", "64", "--chunks", "1", "--trace-out", "t.bin"]);
     let s = Saliency::read(&d.join("i.reap.json")).unwrap();
@@ -342,6 +349,10 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
     let (up, une) = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight"));
     let (down, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_down_exps.weight"));
     let n_ff = une[1] as usize;
+    // the experts' input and output width: n_embd, or the latent space's
+    let latent_down = gguf_f32_opt(&model_path, &format!("blk.{block}.ffn_latent_down.weight"));
+    assert_eq!(latent_down.is_some(), !fixture_flags.is_empty(), "{arch}: ffn_latent_down");
+    let n_io = une[0] as usize;
     let bias = |t: &str| gguf_f32_opt(&model_path, &format!("blk.{block}.{t}.bias"));
     let (router_b, gate_b, up_b, down_b) = (bias("ffn_gate_inp"), bias("ffn_gate_exps"), bias("ffn_up_exps"), bias("ffn_down_exps"));
     assert_eq!(router_b.is_some() && gate_b.is_some() && up_b.is_some() && down_b.is_some(), gpt_oss, "{arch}: expert biases");
@@ -359,6 +370,11 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
     let mut grouping_mattered = 0usize;
     for t in 0..n_ctx {
         let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
+        // what the experts read: x, or its latent
+        let xe: Vec<f64> = match &latent_down {
+            Some(w) => (0..n_io).map(|r| dot_row(w, n_embd, n_io, 0, r, &x)).collect(),
+            None => x.clone(),
+        };
         // softmax router, top-k, renormalised or not
         let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x) + b_at(&router_b, e)).collect();
         let m = logits.iter().cloned().fold(f64::MIN, f64::max);
@@ -406,7 +422,7 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
             let g = scale * probs[e] / wsum;
             let h: Vec<f64> = (0..n_ff)
                 .map(|i| {
-                    let b = dot_row(&up, n_embd, n_ff, e, i, &x) + b_at(&up_b, e * n_ff + i);
+                    let b = dot_row(&up, n_io, n_ff, e, i, &xe) + b_at(&up_b, e * n_ff + i);
                     let Some(gate) = &gate else { return b.max(0.0).powi(2) };
                     let a = dot_row(gate, n_embd, n_ff, e, i, &x) + b_at(&gate_b, e * n_ff + i);
                     if gpt_oss {
@@ -418,7 +434,7 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
                     }
                 })
                 .collect();
-            let f: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h) + b_at(&down_b, e * n_embd + o)).collect();
+            let f: Vec<f64> = (0..n_io).map(|o| dot_row(&down, n_ff, n_io, e, o, &h) + b_at(&down_b, e * n_io + o)).collect();
             let norm = f.iter().map(|v| v * v).sum::<f64>().sqrt();
             count[e] += 1;
             reap[e] += g * norm;
