@@ -37,13 +37,13 @@ pub struct NextnPass<'m> {
 }
 
 /// Architectures whose MTP graph at the pin keeps only the output rows before the block's FFN
-/// (qwen3next's `graph_mtp` takes `ggml_get_rows(cur, inp_out_ids)` after the attention, as
-/// drafting needs only the last token's). Fed with no outputs, as the others are, the block's
+/// (qwen3next's and nemotron_h_moe's `graph_mtp` take `ggml_get_rows(cur, inp_out_ids)` after
+/// the attention, as drafting needs only the last token's). Fed with no outputs, as the others are, the block's
 /// router and experts would see no token; so every token is an output there. That computes
 /// the block's LM head for every token too (for Qwen3-Next-80B-A3B, n_embd 2048 and 151936
 /// tokens: 311 M multiply-adds a token, about four times the block's own 73 M), which the
 /// other archs' passes skip.
-pub const FFN_ON_OUTPUTS_ONLY: &[&str] = &["qwen3next"];
+pub const FFN_ON_OUTPUTS_ONLY: &[&str] = &["qwen3next", "nemotron_h_moe"];
 
 impl<'m> NextnPass<'m> {
     /// `main` is the trunk's observer: an `--in-file` merged into it may hold entries of the

@@ -68,6 +68,10 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // Qwen3-Next: the same block, but its MTP graph keeps only the output rows before the FFN,
     // so every token is fed as an output (ours does the same)
     independent("qwen3next");
+    // Nemotron-3-Super: after a Mamba2/MoE/attention trunk, attention without rotary embedding
+    // and a MoE of gateless relu² experts (sigmoid, selection bias, gates scaled by 2.5); its
+    // MTP graph too keeps only the output rows before the FFN
+    independent("nemotron_h_moe");
 }
 
 fn independent(arch: &str) {
@@ -75,11 +79,18 @@ fn independent(arch: &str) {
     let model_path = d.join("m.gguf");
     let ds = arch == "deepseek2";
     let q35 = arch == "qwen35moe" || arch == "qwen3next";
+    let nemotron = arch == "nemotron_h_moe";
+    // the MTP graphs that keep only their output rows before the FFN
+    let all_outputs = arch == "qwen3next" || nemotron;
     // f32 weights: the GGUF holds exactly what the graph multiplies by; blocks 0 (dense), 1, 2
     // (nextn); qwen35moe: 0–2 gated delta net, 3 full attention (llama.cpp needs one), 4 (nextn)
-    let n_layer = if q35 { 4 } else { 2 };
+    let n_layer = if q35 || nemotron { 4 } else { 2 };
     run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", &n_layer.to_string(), "-o"]).arg(&model_path));
-    let scale = if ds { reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64 } else { 1.0 };
+    let scale = match arch {
+        "deepseek2" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
+        "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
+        _ => 1.0,
+    };
     let (n_ctx, n_batch, n_chunk) = (64usize, 32usize, 2usize);
     // .at_N copies every chunk: a checkpoint holds the block as of the trunk's batch
     let flags = ["-c", "64", "-b", "32", "--chunks", "2", "--trace-out", "t.bin", "--save-frequency", "1"];
@@ -171,7 +182,7 @@ fn independent(arch: &str) {
             let mut m = mtp.batch();
             for i in 0..n_batch {
                 // token p with the trunk's state at p − 1
-                m.add_with_state(chunk[j * n_batch + i], (j * n_batch + i) as i32, 0, arch == "qwen3next", &prev);
+                m.add_with_state(chunk[j * n_batch + i], (j * n_batch + i) as i32, 0, all_outputs, &prev);
                 fed_h.extend_from_slice(&prev);
                 fed_t.push(chunk[j * n_batch + i] as usize);
                 prev.copy_from_slice(&hidden[i * n_embd..(i + 1) * n_embd]);
@@ -200,9 +211,14 @@ fn independent(arch: &str) {
     // REAP of the block from its router input and weights, in f64 (sigmoid, choice by p + bias,
     // gates renormalised over the picks; qwen35moe: softmax, choice by p, renormalised)
     let w = |t: &str| gguf_f32(&model_path, &format!("blk.{block}.{t}")).0;
-    let (router, gate, up, down) = (w("ffn_gate_inp.weight"), w("ffn_gate_exps.weight"), w("ffn_up_exps.weight"), w("ffn_down_exps.weight"));
+    // nemotron_h_moe's experts and shared expert have no gate: down·relu²(up·x)
+    let (router, gate, up, down) = (w("ffn_gate_inp.weight"), (!nemotron).then(|| w("ffn_gate_exps.weight")), w("ffn_up_exps.weight"), w("ffn_down_exps.weight"));
+    let act = |g: Option<f64>, u: f64| match g {
+        Some(a) => a / (1.0 + (-a).exp()) * u,
+        None => u.max(0.0).powi(2),
+    };
     let sel_b = if q35 { vec![0f32; n_expert] } else { w("exp_probs_b.bias") };
-    let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_exps.weight")).1[1] as usize;
+    let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight")).1[1] as usize;
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
     // per domain: count, reap, prob
@@ -230,10 +246,7 @@ fn independent(arch: &str) {
         let wsum: f64 = sel.iter().map(|&e| probs[e]).sum();
         for &e in sel {
             let h: Vec<f64> = (0..n_ff)
-                .map(|i| {
-                    let (a, b) = (dot_row(&gate, n_embd, n_ff, e, i, &x), dot_row(&up, n_embd, n_ff, e, i, &x));
-                    a / (1.0 + (-a).exp()) * b
-                })
+                .map(|i| act(gate.as_ref().map(|g| dot_row(g, n_embd, n_ff, e, i, &x)), dot_row(&up, n_embd, n_ff, e, i, &x)))
                 .collect();
             let norm = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h).powi(2)).sum::<f64>().sqrt();
             for j in 0..n_embd {
@@ -280,8 +293,8 @@ fn independent(arch: &str) {
         v.iter().zip(w).map(|(a, &g)| a / s * g as f64).collect::<Vec<f64>>()
     };
     let (enorm, hnorm, eh, attn_norm) = (w("nextn.enorm.weight"), hw.clone(), w("nextn.eh_proj.weight"), w("attn_norm.weight"));
-    let (sh_gate, sh_up) = (w("ffn_gate_shexp.weight"), w("ffn_up_shexp.weight"));
-    let n_sh = sh_gate.len() / n_embd;
+    let (sh_gate, sh_up) = ((!nemotron).then(|| w("ffn_gate_shexp.weight")), w("ffn_up_shexp.weight"));
+    let n_sh = sh_up.len() / n_embd;
     let (mut cat_sq, mut attn_sq, mut sh_sq) = (vec![0f64; 2 * n_embd], vec![0f64; n_embd], vec![0f64; n_sh]);
     for r in 0..rows {
         let e: Vec<f64> = token_embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd].iter().map(|&v| v as f64).collect();
@@ -294,8 +307,7 @@ fn independent(arch: &str) {
         }
         let x: Vec<f64> = cap.x[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
         for (i, a) in sh_sq.iter_mut().enumerate() {
-            let (g, u) = (dot_row(&sh_gate, n_embd, n_sh, 0, i, &x), dot_row(&sh_up, n_embd, n_sh, 0, i, &x));
-            *a += (g / (1.0 + (-g).exp()) * u).powi(2);
+            *a += act(sh_gate.as_ref().map(|g| dot_row(g, n_embd, n_sh, 0, i, &x)), dot_row(&sh_up, n_embd, n_sh, 0, i, &x)).powi(2);
         }
     }
     let routed: Vec<i64> = count.iter().map(|&c| c as i64).collect();
@@ -319,6 +331,9 @@ fn independent(arch: &str) {
     if !q35 {
         want.retain(|w| w.0 != "ffn_gate_inp_shexp");
     }
+    if nemotron {
+        want.retain(|w| !w.0.starts_with("ffn_gate_") || w.0 == "ffn_gate_inp");
+    }
     for (weight, sums, counts) in want {
         let name = format!("blk.{block}.{weight}.weight");
         let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
@@ -331,7 +346,7 @@ fn independent(arch: &str) {
     }
     // and attn_output, whose input is the attention's result (deepseek2 also attn_q_b, attn_k_b,
     // attn_v_b, reading latents): one count per token fed
-    assert_eq!(entries.len(), if ds { 14 } else if q35 { 13 } else { 12 }, "{:?}", entries.keys().collect::<Vec<_>>());
+    assert_eq!(entries.len(), if ds { 14 } else if q35 { 13 } else if nemotron { 10 } else { 12 }, "{:?}", entries.keys().collect::<Vec<_>>());
     assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
 
     // check: every invariant, the trunk and the block against the imatrix, the trunk against the trace
@@ -357,6 +372,7 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("deepseek2");
     nextn_path("qwen35moe");
     nextn_path("qwen3next");
+    nextn_path("nemotron_h_moe");
 }
 
 fn nextn_path(arch: &str) {
@@ -370,8 +386,13 @@ fn nextn_path(arch: &str) {
     let map = d.join("maps/keep_reap_mean_k24.json");
     let m: serde_json::Value = serde_json::from_slice(&read(&map)).unwrap();
     let blocks: Vec<u64> = m["layers"].as_array().unwrap().iter().map(|l| l["layer"].as_u64().unwrap()).collect();
-    // glm4moe's and deepseek2's block 0 is dense
-    assert_eq!(blocks, if arch.starts_with("qwen3") { vec![0, 1, 2, 3, 4] } else { vec![1, 2, 3, 4] });
+    // glm4moe's and deepseek2's block 0 is dense; nemotron_h_moe's MoE blocks are 1 and 3
+    let want = match arch {
+        a if a.starts_with("qwen3") => vec![0, 1, 2, 3, 4],
+        "nemotron_h_moe" => vec![1, 3, 4],
+        _ => vec![1, 2, 3, 4],
+    };
+    assert_eq!(blocks, want);
     // the block's dead experts are not kept while live ones are left out
     let nx = s.layers.last().unwrap();
     let kept: Vec<u64> = m["layers"][blocks.len() - 1]["keep"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap()).collect();
@@ -439,7 +460,7 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["glm4moe", "deepseek2", "qwen3next"] {
+    for arch in ["glm4moe", "deepseek2", "qwen3next", "nemotron_h_moe"] {
         offloaded(&server, arch);
     }
 }
