@@ -110,6 +110,11 @@ pub struct ImatrixArgs {
     #[arg(long = "rpc", value_name = "SERVERS")]
     pub rpc: Option<String>,
 
+    /// end the run when an --rpc server moves no bytes for this many seconds while llama.cpp
+    /// waits on it (stopped, hung, network down); 0 waits for ever, as upstream does
+    #[arg(long = "rpc-timeout", value_name = "SECONDS", default_value_t = crate::llama::rpc_watch::DEFAULT_TIMEOUT_S)]
+    pub rpc_timeout: u64,
+
     /// max number of chunks to process (-1 = all)
     #[arg(long = "chunks", value_name = "N", default_value_t = -1, allow_negative_numbers = true)]
     pub chunks: i32,

@@ -626,8 +626,10 @@ pub fn is_normalised_node(name: &str) -> bool {
 }
 
 /// The model's parameters from the drop-in flags: `-ngl`, `-lm`, `--rpc` (shared with eval and
-/// trace-decode), and `-sm`, `-mg`, `-ts`, `-nr` as upstream's tools read them.
+/// trace-decode), and `-sm`, `-mg`, `-ts`, `-nr` as upstream's tools read them; sets the
+/// watchdog's `--rpc-timeout` for the process.
 pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
+    llama::rpc_watch::set_timeout(args.rpc_timeout);
     let mut p = model_params_of(&args.n_gpu_layers, &args.load_mode, args.rpc.clone())?;
     if let Some(m) = &args.split_mode {
         p.split_mode = match m.as_str() {

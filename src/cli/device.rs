@@ -13,6 +13,10 @@ pub struct DeviceArgs {
     /// Comma-separated RPC servers (HOST:PORT) to offload to, with -ngl
     #[arg(long = "rpc", value_name = "SERVERS")]
     pub rpc: Option<String>,
+    /// End the run when an --rpc server moves no bytes for this many seconds while llama.cpp
+    /// waits on it (stopped, hung, network down); 0 waits for ever, as upstream does
+    #[arg(long = "rpc-timeout", value_name = "SECONDS", default_value_t = crate::llama::rpc_watch::DEFAULT_TIMEOUT_S)]
+    pub rpc_timeout: u64,
     /// Flash attention: on, off, auto [-fa]
     #[arg(long = "flash-attn", value_name = "on|off|auto", default_value = "auto")]
     pub flash_attn: String,
@@ -31,6 +35,7 @@ impl DeviceArgs {
         if let Some(servers) = &self.rpc {
             crate::calibrate::validate::rpc_servers(servers)?;
         }
+        crate::llama::rpc_watch::set_timeout(self.rpc_timeout);
         let mut p = model_params_of(&self.n_gpu_layers, &self.load_mode, self.rpc.clone())?;
         p.use_extra_bufts = !self.no_repack;
         Ok((p, flash_attn_type(&self.flash_attn)?))

@@ -28,6 +28,11 @@ pub(super) fn note_rpc_server(endpoint: &str) {
     }
 }
 
+/// The `--rpc` servers added so far.
+pub(super) fn rpc_servers() -> Vec<String> {
+    RPC_SERVERS.lock().map(|v| v.clone()).unwrap_or_default()
+}
+
 /// A model of this process was loaded with the CPU backend's extra buffer types (AMX, weight
 /// repacking: on unless `--no-repack`), for the message.
 static EXTRA_BUFTS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -52,6 +57,20 @@ pub(super) fn install() {
 pub(super) unsafe extern "C" fn on_abort(message: *const c_char) {
     let msg = if message.is_null() { String::new() } else { unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned() };
     let text = std::panic::catch_unwind(|| describe(&msg)).unwrap_or_else(|_| format!("llama.cpp stopped: {msg}"));
+    end_run(&text)
+}
+
+/// Ends the run for an `--rpc` server that moved no bytes for `--rpc-timeout` seconds while
+/// ggml-rpc waited on it (`rpc_watch`): ggml-rpc would wait for ever.
+pub(super) fn stop_for_silent_server(endpoint: &str, waited: std::time::Duration, timeout_s: u64) -> ! {
+    end_run(&format!(
+        "the RPC server {endpoint} has not answered for {} s (stopped, hung, or the network to it is down); --rpc-timeout is {timeout_s} s (0 waits for ever)\n  files written before this point (the last checkpoint) are intact; later ones were not written",
+        waited.as_secs()
+    ))
+}
+
+/// Says why the run stopped and exits: 1, or 0 when every output was already written.
+fn end_run(text: &str) -> ! {
     if crate::progress::LINE_SHOWN.load(std::sync::atomic::Ordering::SeqCst) {
         eprintln!();
     }
@@ -68,7 +87,7 @@ pub(super) unsafe extern "C" fn on_abort(message: *const c_char) {
 /// The message: ggml's own line, the RPC servers that no longer answer (when the abort came
 /// from the RPC backend), and what is left on disk.
 pub fn describe(msg: &str) -> String {
-    let servers = RPC_SERVERS.lock().map(|v| v.clone()).unwrap_or_default();
+    let servers = rpc_servers();
     let mut text = format!("llama.cpp stopped the run: {}", msg.trim_end());
     if msg.contains("RPC") && !servers.is_empty() {
         let dead: Vec<&String> = servers.iter().filter(|s| !answers(s)).collect();

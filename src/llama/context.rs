@@ -215,6 +215,7 @@ pub(crate) fn add_rpc_devices(servers: &str) -> Result<()> {
             sys::ggml_backend_register(r);
             added.push(s.to_string());
             super::abort::note_rpc_server(s);
+            super::rpc_watch::start();
         }
     }
     Ok(())

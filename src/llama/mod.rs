@@ -14,6 +14,7 @@ pub mod log;
 pub mod model;
 pub mod prefetch;
 pub mod reduce;
+pub mod rpc_watch;
 pub mod sampler;
 pub mod sys;
 pub mod system;

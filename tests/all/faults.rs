@@ -141,6 +141,46 @@ fn a_lost_rpc_server_is_named_and_the_last_checkpoint_stays_intact() {
     assert_consistent(&d, "server killed mid-run");
 }
 
+/// A server that stops answering without closing its connection (SIGSTOP: how a hung server or
+/// a cut network looks from here; ggml-rpc alone waits in recv() for ever) ends the run after
+/// `--rpc-timeout`, named, with the last checkpoint intact; a pause shorter than the timeout
+/// costs nothing.
+#[test]
+fn a_silent_rpc_server_is_named_after_the_timeout_and_a_short_pause_is_harmless() {
+    let model = fixture("qwen3moe");
+    let finish = |child: std::process::Child| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(child.wait_with_output().unwrap()).unwrap());
+        rx.recv_timeout(Duration::from_secs(120)).expect("the run still waits on the stopped server after 2 minutes")
+    };
+    let d = temp_dir("rpc-silent");
+    let server = RpcServer::start();
+    let mut child = start_run(&d, &model, &["-ngl", "99", "--rpc", &server.endpoint, "--rpc-timeout", "3"], Stdio::piped());
+    wait_for(&d.join("i.reap.json"), &mut child, "run over RPC");
+    server.signal(libc::SIGSTOP);
+    let t0 = Instant::now();
+    let out = finish(child);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(t0.elapsed() >= Duration::from_secs(3), "ended {:?} after the stop, before the timeout:\n{err}", t0.elapsed());
+    for want in [&format!("the RPC server {} has not answered for", server.endpoint), "--rpc-timeout is 3 s", "last checkpoint) are intact"] {
+        assert!(err.contains(want), "stderr lacks {want:?}:\n{err}");
+    }
+    assert_consistent(&d, "server stopped mid-run");
+    drop(server);
+
+    let d = temp_dir("rpc-paused");
+    let server = RpcServer::start();
+    let mut child = start_run(&d, &model, &["-ngl", "99", "--rpc", &server.endpoint, "--rpc-timeout", "30"], Stdio::piped());
+    wait_for(&d.join("i.reap.json"), &mut child, "run over RPC");
+    server.signal(libc::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(4));
+    server.signal(libc::SIGCONT);
+    let out = finish(child);
+    assert!(out.status.success(), "a 4 s pause ended the run:\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_consistent(&d, "server paused for 4 s");
+}
+
 /// A symlink output is written through (the file it names is replaced, the link stays), and a
 /// device is written in place: never replaced by a regular file (as root, `-o /dev/null`
 /// would otherwise replace the system's /dev/null), with nothing written beside it.

@@ -181,6 +181,13 @@ impl RpcServer {
         RpcServer { endpoint: format!("127.0.0.1:{port}"), child: Some(child) }
     }
 
+    /// Sends the server a signal (SIGSTOP: it stops answering but its connections stay open).
+    pub fn signal(&self, sig: i32) {
+        let c = self.child.as_ref().expect("the server was killed");
+        // SAFETY: kill(2) on our own child.
+        assert_eq!(unsafe { libc::kill(c.id() as i32, sig) }, 0);
+    }
+
     /// Kills the server now (SIGKILL) and waits for it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
