@@ -160,11 +160,13 @@ fn minimax_m2_is_byte_identical() {
 /// selective scan, the grouped gated norm, `ssm_out`), attention without rotary embedding, and
 /// MoE blocks whose experts have no gate (down·relu²(up·x)) beside a shared expert, routed by a
 /// sigmoid with a selection bias; one sequence per batch and two (each its own recurrent state),
-/// and with the experts in a latent space (`--moe-latent`, Nemotron-3-Super's).
+/// with the experts in a latent space (`--moe-latent`, Nemotron-3-Super's), and routed within
+/// expert groups (8 of 4, 2 used per token).
 #[test]
 fn nemotron_h_moe_is_byte_identical() {
     let (plain, latent) = (fixture("nemotron_h_moe"), fixture_with("nemotron_h_moe-latent", &["--arch", "nemotron_h_moe", "--moe-latent", "24"]));
-    for (key, model, c, b) in [("nh-c256", &plain, "256", "256"), ("nh-c128-b256", &plain, "128", "256"), ("nh-latent", &latent, "256", "256")] {
+    let grouped = fixture_with("nemotron_h_moe-groups", &["--arch", "nemotron_h_moe", "--expert-groups", "8", "--expert-groups-used", "2"]);
+    for (key, model, c, b) in [("nh-c256", &plain, "256", "256"), ("nh-c128-b256", &plain, "128", "256"), ("nh-latent", &latent, "256", "256"), ("nh-groups", &grouped, "256", "256")] {
         let p = run_both(key, model, "imatrix.gguf", &args(&["-c", c, "-b", b]));
         p.assert_same_file("imatrix.gguf");
         p.assert_same_ppl();

@@ -288,6 +288,9 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // and with Nemotron-3-Super's latent MoE: the experts read ffn_latent_down·x and their
     // outputs (whose norms REAP sums) are in that latent space, before ffn_latent_up
     independent_computation_with("nemotron_h_moe", false, None, &["--moe-latent", "24"]);
+    // and routed within expert groups (llama.cpp's group-limited choice is the one deepseek2
+    // takes, applied to any arch whose header has expert_group_count)
+    independent_computation_grouped("nemotron_h_moe", false, Some((8, 2)));
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
