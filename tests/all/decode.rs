@@ -303,7 +303,7 @@ fn trace_decode_offloads_through_rpc() {
     let model = fixture("qwen3moe");
     let dir = temp_dir("decode-rpc");
     let (off, cpu) = (dir.join("off.bin"), dir.join("cpu.bin"));
-    let gens = trace_decode(&model, &prompts_file(&dir), &off, &["-n", "4", "-ngl", "99", "--rpc", &server.endpoint]);
+    let gens = trace_decode(&model, &prompts_file(&dir), &off, &["-n", "4", "-ngl", "99", "--rpc", &server.endpoint, "--rpc-timeout", "120"]);
     let gens_cpu = trace_decode(&model, &prompts_file(&dir), &cpu, &["-n", "4"]);
     let out = run(Command::new(ours()).args(["check", "--trace"]).arg(&off));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));

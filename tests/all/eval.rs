@@ -368,7 +368,7 @@ fn eval_offloads_through_rpc_with_figures_equal_to_rounding() {
     let d = temp_dir("eval-rpc");
     let (s1, s2) = (seeded("qwen3moe", 1), seeded("qwen3moe", 2));
     let mut server = RpcServer::start();
-    let (out, off) = eval(&d, &s1, &[&s2], &["-ngl", "99", "--rpc", &server.endpoint]);
+    let (out, off) = eval(&d, &s1, &[&s2], &["-ngl", "99", "--rpc", &server.endpoint, "--rpc-timeout", "120"]);
     server.kill();
     let (_, cpu) = eval(&d, &s1, &[&s2], &[]);
     let err = String::from_utf8_lossy(&out.stderr);
