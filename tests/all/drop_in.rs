@@ -221,6 +221,15 @@ fn qwen35moe_and_qwen3next_are_byte_identical() {
         p.assert_same_file("imatrix.gguf");
         p.assert_same_ppl();
     }
+    // Qwen3-Next GGUFs converted before llama.cpp split ssm_in into attn_qkv and attn_gate
+    // (the pin's "legacy" path: one matmul, then views of q, k, v, z per key head)
+    let legacy = fixture_with("qwen3next-ssm-in", &["--arch", "qwen3next", "--fused-ssm-in"]);
+    let p = run_both("qwen3next-ssm-in", &legacy, "imatrix.gguf", &args(&[&["-c", "256", "-b", "512"][..], cpu_flags("qwen3next")].concat()));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+    let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+    assert_eq!(m.entries["blk.0.ssm_in.weight"].sums.len(), 64);
+    assert!(!m.entries.contains_key("blk.0.attn_qkv.weight") && !m.entries.contains_key("blk.0.attn_gate.weight"));
 }
 
 /// The pin's AMX matmul multiplies only the first 2-D slice of a 3-D input and leaves the rest
