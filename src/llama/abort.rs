@@ -60,11 +60,14 @@ pub(super) unsafe extern "C" fn on_abort(message: *const c_char) {
     end_run(&text)
 }
 
+/// What a stopped run leaves: outputs are written atomically, so nothing half-written.
+const INTACT: &str = "files written before this point (the last checkpoint) are intact; later ones were not written";
+
 /// Ends the run for an `--rpc` server that moved no bytes for `--rpc-timeout` seconds while
 /// ggml-rpc waited on it (`rpc_watch`): ggml-rpc would wait for ever.
 pub(super) fn stop_for_silent_server(endpoint: &str, waited: std::time::Duration, timeout_s: u64) -> ! {
     end_run(&format!(
-        "the RPC server {endpoint} has not answered for {} s (stopped, hung, or the network to it is down); --rpc-timeout is {timeout_s} s (0 waits for ever)\n  files written before this point (the last checkpoint) are intact; later ones were not written",
+        "the RPC server {endpoint} has not answered for {} s (stopped, hung, or the network to it is down); --rpc-timeout is {timeout_s} s (0 waits for ever)\n  {INTACT}",
         waited.as_secs()
     ))
 }
@@ -106,7 +109,7 @@ pub fn describe(msg: &str) -> String {
             "\n  no backend took one of the graph's ops: with the CPU backend's extra buffer types (AMX, weight repacking) llama.cpp aborts so on some models (deepseek2 on a CPU with AMX); --no-repack (-nr) turns them off",
         );
     }
-    text.push_str("\n  files written before this point (the last checkpoint) are intact; later ones were not written");
+    text.push_str(&format!("\n  {INTACT}"));
     text
 }
 
