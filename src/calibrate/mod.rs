@@ -272,7 +272,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     let nextn_block = if plan.args.nextn {
         let b = validate::nextn_block(&model_path, &header)?;
         params.load_mtp = true;
-        Some(b)
+        Some((b, header.tensors.contains_key(&format!("blk.{b}.nextn.shared_head_head.weight"))))
     } else {
         None
     };
@@ -323,7 +323,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     }
     observer.capture_hidden = nextn_block.is_some();
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
-    let mut nextn = nextn_block.map(|b| nextn::NextnPass::new(&model, &ctx_params, b, ctx.observer())).transpose()?;
+    let mut nextn = nextn_block.map(|(b, own_head)| nextn::NextnPass::new(&model, &ctx_params, b, own_head, ctx.observer())).transpose()?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
     }

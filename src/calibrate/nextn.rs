@@ -6,11 +6,15 @@
 //! MTP context sees each token at its own position together with the trunk's final hidden
 //! state (`h_nextn`, the output norm's result) of the token before it; the first token of a
 //! sequence gets the drafter's initial state, zeros. So the block at position p reads t_p and
-//! h_{p−1}, as when it drafts t_{p+1}. Every token of a chunk is fed (none is an output: the
-//! drafter's head is not computed), the MTP cache cleared with the trunk's at each chunk.
+//! h_{p−1}, as when it drafts t_{p+1}. Every token of a chunk is fed, the MTP cache cleared
+//! with the trunk's at each chunk. None is an output (the drafter's head is not computed)
+//! unless the block has its own LM head (`nextn.shared_head_head`, as GLM-4.5's files carry),
+//! whose imatrix entry needs the head's input, or the arch's graph needs outputs (see
+//! [`FFN_ON_OUTPUTS_ONLY`]).
 //!
 //! Its own observer collects the block's imatrix entries (upstream's collector, on the MTP
-//! graph's matmuls: `blk.N.nextn.eh_proj`, attention, router, experts, shared expert) and its
+//! graph's matmuls: `blk.N.nextn.eh_proj`, attention, router, experts, shared expert, the
+//! block's own head) and its
 //! REAP sums (no trace rows; with `--domains`, split by domain as the trunk's are, each token
 //! in its own domain). After each pass both are copied into the main observer, and the
 //! entries into the imatrix of the checkpoints the trunk queued during the batch: `llama-quantize`
@@ -32,7 +36,7 @@ pub struct NextnPass<'m> {
     prefix: String,
     /// per sequence: the trunk's hidden state of the last token fed so far
     pending: Vec<Vec<f32>>,
-    /// every token an output: see [`FFN_ON_OUTPUTS_ONLY`]
+    /// every token an output: see [`FFN_ON_OUTPUTS_ONLY`] and [`NextnPass::new`]
     all_outputs: bool,
 }
 
@@ -48,7 +52,14 @@ pub const FFN_ON_OUTPUTS_ONLY: &[&str] = &["qwen3next", "nemotron_h_moe"];
 impl<'m> NextnPass<'m> {
     /// `main` is the trunk's observer: an `--in-file` merged into it may hold entries of the
     /// block already, which this pass goes on adding to (as the trunk's own go on).
-    pub fn new(model: &'m Model, trunk: &ContextParams, block: u32, main: &CalibrationObserver) -> Result<Self> {
+    /// `own_head`: the block has its own `nextn.shared_head_head`. Every token is then an
+    /// output, so the head multiplies every token's state and the imatrix gets its entry:
+    /// `llama-quantize` exempts only `output.weight` (and the token embeddings) by name, and
+    /// refuses this head in a very-low-bit type without one. The cost is that head for every
+    /// token (n_embd × n_vocab multiply-adds); a block that reads the trunk's `output` keeps
+    /// computing no head (its entry would mix with the trunk's, and upstream collects
+    /// `output.weight` only with `--process-output`).
+    pub fn new(model: &'m Model, trunk: &ContextParams, block: u32, own_head: bool, main: &CalibrationObserver) -> Result<Self> {
         let prefix = format!("blk.{block}.");
         let mut state = Imatrix::default();
         state.stats.extend(main.imatrix.state.stats.iter().filter(|(n, _)| n.starts_with(&prefix)).map(|(n, s)| (n.clone(), s.clone())));
@@ -76,7 +87,7 @@ impl<'m> NextnPass<'m> {
         let ctx = Context::new(model, &p, obs).map_err(|e| anyhow::anyhow!("--nextn: the MTP context: {e:#}"))?;
         let batch = ctx.batch();
         let n_embd = model.n_embd() as usize;
-        let all_outputs = model.meta_str("general.architecture").is_some_and(|a| FFN_ON_OUTPUTS_ONLY.contains(&a.as_str()));
+        let all_outputs = own_head || model.meta_str("general.architecture").is_some_and(|a| FFN_ON_OUTPUTS_ONLY.contains(&a.as_str()));
         Ok(NextnPass { ctx, batch, n_embd, prefix, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize], all_outputs })
     }
 

@@ -25,21 +25,31 @@ impl GraphObserver for Hidden {
     }
 }
 
-/// In the MTP graph: the router's input of `block` and the normed hidden-state input.
+/// In the MTP graph: the router's input of `block`, the normed hidden-state input and the
+/// residual stream the FFN adds to (`mtp_ffn_inp`, qwen35moe's and qwen3next's
+/// `mtp_attn_residual`).
 struct MtpInputs {
     router: String,
     hnorm: String,
+    residual: [String; 2],
     x: Vec<f32>,
     h: Vec<f32>,
+    res: Vec<f32>,
 }
 
 impl GraphObserver for MtpInputs {
     fn wants(&mut self, node: Node<'_>) -> bool {
-        node.src(0).is_some_and(|s| s.name() == self.router) || node.name() == self.hnorm
+        node.src(0).is_some_and(|s| s.name() == self.router) || node.name() == self.hnorm || self.residual.iter().any(|r| node.name() == r)
     }
     fn observe(&mut self, node: Node<'_>) -> bool {
         let mut s = Vec::new();
-        let (dst, t) = if node.name() == self.hnorm { (&mut self.h, node) } else { (&mut self.x, node.src(1).unwrap()) };
+        let (dst, t) = if node.name() == self.hnorm {
+            (&mut self.h, node)
+        } else if self.residual.iter().any(|r| node.name() == r) {
+            (&mut self.res, node)
+        } else {
+            (&mut self.x, node.src(1).unwrap())
+        };
         let info = t.info();
         let data = t.bytes(&mut s);
         for tok in 0..info.ne[1] {
@@ -60,32 +70,47 @@ fn calibrate(dir: &Path, model: &Path, extra: &[&str]) -> std::process::Output {
 /// scaled by 2.5), each through its own MTP graph at the pin.
 #[test]
 fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_unchanged() {
-    independent("glm4moe");
-    independent("deepseek2");
+    independent("glm4moe", false);
+    independent("deepseek2", false);
     // Qwen3.5-MoE: a gated delta net trunk, the block's softmax router (renormalised, no
     // selection bias) and its shared expert behind a sigmoid gate
-    independent("qwen35moe");
+    independent("qwen35moe", false);
     // Qwen3-Next: the same block, but its MTP graph keeps only the output rows before the FFN,
     // so every token is fed as an output (ours does the same)
-    independent("qwen3next");
+    independent("qwen3next", false);
     // Nemotron-3-Super: after a Mamba2/MoE/attention trunk, attention without rotary embedding
     // and a MoE of gateless relu² experts (sigmoid, selection bias, gates scaled by 2.5); its
     // MTP graph too keeps only the output rows before the FFN
-    independent("nemotron_h_moe");
+    independent("nemotron_h_moe", false);
 }
 
-fn independent(arch: &str) {
-    let d = temp_dir(&format!("nextn-independent-{arch}"));
+/// A block with its own token embedding and LM head (`nextn.embed_tokens`,
+/// `nextn.shared_head_head`, as GLM-4.5's converted files carry): the graph reads the block's
+/// embedding, and every token is fed as an output so the head's imatrix entry (Σx² of the
+/// normed block output, recomputed here from the residual stream and the block's FFN in f64)
+/// counts every token. On glm4moe and qwen35moe (whose graphs otherwise compute no head) and
+/// qwen3next (which computes it for every token anyway).
+#[test]
+fn a_block_with_its_own_head_gets_the_heads_entry() {
+    independent("glm4moe", true);
+    independent("qwen35moe", true);
+    independent("qwen3next", true);
+}
+
+fn independent(arch: &str, own_head: bool) {
+    let d = temp_dir(&format!("nextn-independent-{arch}{}", if own_head { "-own-head" } else { "" }));
     let model_path = d.join("m.gguf");
     let ds = arch == "deepseek2";
     let q35 = arch == "qwen35moe" || arch == "qwen3next";
     let nemotron = arch == "nemotron_h_moe";
-    // the MTP graphs that keep only their output rows before the FFN
-    let all_outputs = arch == "qwen3next" || nemotron;
+    // the MTP graphs that keep only their output rows before the FFN, and a block with its own
+    // head (whose input the imatrix collects)
+    let all_outputs = arch == "qwen3next" || nemotron || own_head;
     // f32 weights: the GGUF holds exactly what the graph multiplies by; blocks 0 (dense), 1, 2
     // (nextn); qwen35moe: 0–2 gated delta net, 3 full attention (llama.cpp needs one), 4 (nextn)
     let n_layer = if q35 || nemotron { 4 } else { 2 };
-    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", &n_layer.to_string(), "-o"]).arg(&model_path));
+    let own: &[&str] = if own_head { &["--nextn-own-head"] } else { &[] };
+    run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", &n_layer.to_string()]).args(own).arg("-o").arg(&model_path));
     let scale = match arch {
         "deepseek2" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
@@ -160,7 +185,14 @@ fn independent(arch: &str) {
     let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_batch as u32, n_ubatch: n_batch as u32, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1, ..Default::default() };
     let mut trunk = Context::new(&model, &p, Hidden(Vec::new())).unwrap();
     let block = n_layer;
-    let obs = MtpInputs { router: format!("blk.{block}.ffn_gate_inp.weight"), hnorm: format!("mtp_hnorm-{block}"), x: Vec::new(), h: Vec::new() };
+    let obs = MtpInputs {
+        router: format!("blk.{block}.ffn_gate_inp.weight"),
+        hnorm: format!("mtp_hnorm-{block}"),
+        residual: [format!("mtp_ffn_inp-{block}"), format!("mtp_attn_residual-{block}")],
+        x: Vec::new(),
+        h: Vec::new(),
+        res: Vec::new(),
+    };
     let mut mtp = Context::new(&model, &ContextParams { mtp: true, ..p.clone() }, obs).unwrap();
     let n_embd = model.n_embd() as usize;
     let mut fed_h: Vec<f32> = Vec::new();
@@ -192,7 +224,7 @@ fn independent(arch: &str) {
     }
     let cap = mtp.into_observer();
     let rows = n_ctx * n_chunk;
-    assert_eq!((cap.x.len(), cap.h.len()), (rows * n_embd, rows * n_embd));
+    assert_eq!((cap.x.len(), cap.h.len(), cap.res.len()), (rows * n_embd, rows * n_embd, rows * n_embd));
     // what the graph normed is the state this test fed: RMS norm × nextn.hnorm, zeros at each chunk's start
     let (hw, _) = gguf_f32(&model_path, &format!("blk.{block}.nextn.hnorm.weight"));
     for r in 0..rows {
@@ -227,11 +259,23 @@ fn independent(arch: &str) {
     // gate and up, shared expert's gate and up), per expert the SwiGLU the down projection reads
     let mut x_sq = vec![0f64; n_embd];
     let (mut x_sq_e, mut h_sq_e) = (vec![0f64; n_expert * n_embd], vec![0f64; n_expert * n_ff]);
+    let rms = |v: &[f64], w: &[f32]| {
+        let s = (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + 1e-6).sqrt();
+        v.iter().zip(w).map(|(a, &g)| a / s * g as f64).collect::<Vec<f64>>()
+    };
+    let (sh_gate, sh_up, sh_down) = ((!nemotron).then(|| w("ffn_gate_shexp.weight")), w("ffn_up_shexp.weight"), w("ffn_down_shexp.weight"));
+    let n_sh = sh_up.len() / n_embd;
+    let sh_gate_inp = q35.then(|| w("ffn_gate_inp_shexp.weight"));
+    // the own head's input: the block's output (residual + routed + shared expert), RMS-normed
+    // × nextn.shared_head_norm; Σ of its squares per column
+    let head_norm = own_head.then(|| w("nextn.shared_head_norm.weight"));
+    let mut head_sq = vec![0f64; n_embd];
     for t in 0..rows {
         let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
         for (a, v) in x_sq.iter_mut().zip(&x) {
             *a += v * v;
         }
+        let mut y: Vec<f64> = cap.res[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
         let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
         let probs: Vec<f64> = if q35 {
             let m = logits.iter().cloned().fold(f64::MIN, f64::max);
@@ -248,7 +292,11 @@ fn independent(arch: &str) {
             let h: Vec<f64> = (0..n_ff)
                 .map(|i| act(gate.as_ref().map(|g| dot_row(g, n_embd, n_ff, e, i, &x)), dot_row(&up, n_embd, n_ff, e, i, &x)))
                 .collect();
-            let norm = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h).powi(2)).sum::<f64>().sqrt();
+            let out: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h)).collect();
+            let norm = out.iter().map(|v| v * v).sum::<f64>().sqrt();
+            for (a, v) in y.iter_mut().zip(&out) {
+                *a += scale * probs[e] / wsum * v;
+            }
             for j in 0..n_embd {
                 x_sq_e[e * n_embd + j] += x[j] * x[j];
             }
@@ -263,6 +311,17 @@ fn independent(arch: &str) {
             dm.0[e] += 1;
             dm.1[e] += scale * probs[e] / wsum * norm;
             dm.2[e] += scale * probs[e] / wsum;
+        }
+        if let Some(hn) = &head_norm {
+            let hs: Vec<f64> = (0..n_sh).map(|i| act(sh_gate.as_ref().map(|g| dot_row(g, n_embd, n_sh, 0, i, &x)), dot_row(&sh_up, n_embd, n_sh, 0, i, &x))).collect();
+            // qwen35moe's and qwen3next's shared expert behind its sigmoid gate
+            let g = sh_gate_inp.as_ref().map_or(1.0, |gw| 1.0 / (1.0 + (-gw.iter().zip(&x).map(|(&a, b)| a as f64 * b).sum::<f64>()).exp()));
+            for (o, a) in y.iter_mut().enumerate() {
+                *a += g * dot_row(&sh_down, n_sh, n_embd, 0, o, &hs);
+            }
+            for (a, v) in head_sq.iter_mut().zip(rms(&y, hn)) {
+                *a += v * v;
+            }
         }
     }
     assert_eq!(count, lay.count, "the nextn block's selection counts");
@@ -287,14 +346,9 @@ fn independent(arch: &str) {
     assert!(by_dom.iter().all(|x| x.0.iter().sum::<u64>() > 0), "both domains route tokens through the block");
 
     // the block's imatrix entries against the same tokens and states, recomputed in f64
-    let token_embd = gguf_f32(&model_path, "token_embd.weight").0;
-    let rms = |v: &[f64], w: &[f32]| {
-        let s = (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + 1e-6).sqrt();
-        v.iter().zip(w).map(|(a, &g)| a / s * g as f64).collect::<Vec<f64>>()
-    };
+    // the block's own embedding where it has one (the trunk's otherwise)
+    let token_embd = if own_head { w("nextn.embed_tokens.weight") } else { gguf_f32(&model_path, "token_embd.weight").0 };
     let (enorm, hnorm, eh, attn_norm) = (w("nextn.enorm.weight"), hw.clone(), w("nextn.eh_proj.weight"), w("attn_norm.weight"));
-    let (sh_gate, sh_up) = ((!nemotron).then(|| w("ffn_gate_shexp.weight")), w("ffn_up_shexp.weight"));
-    let n_sh = sh_up.len() / n_embd;
     let (mut cat_sq, mut attn_sq, mut sh_sq) = (vec![0f64; 2 * n_embd], vec![0f64; n_embd], vec![0f64; n_sh]);
     for r in 0..rows {
         let e: Vec<f64> = token_embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd].iter().map(|&v| v as f64).collect();
@@ -328,6 +382,9 @@ fn independent(arch: &str) {
         ("nextn.eh_proj", &cat_sq, &all),
     ];
     want.extend(attn.iter().map(|&a| (a, &attn_sq[..], &all[..])));
+    if own_head {
+        want.push(("nextn.shared_head_head", &head_sq, &all));
+    }
     if !q35 {
         want.retain(|w| w.0 != "ffn_gate_inp_shexp");
     }
@@ -346,7 +403,7 @@ fn independent(arch: &str) {
     }
     // and attn_output, whose input is the attention's result (deepseek2 also attn_q_b, attn_k_b,
     // attn_v_b, reading latents): one count per token fed
-    assert_eq!(entries.len(), if ds { 14 } else if q35 { 13 } else if nemotron { 10 } else { 12 }, "{:?}", entries.keys().collect::<Vec<_>>());
+    assert_eq!(entries.len(), own_head as usize + if ds { 14 } else if q35 { 13 } else if nemotron { 10 } else { 12 }, "{:?}", entries.keys().collect::<Vec<_>>());
     assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
 
     // check: every invariant, the trunk and the block against the imatrix, the trunk against the trace
@@ -448,6 +505,35 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
     let q = quantize("p.imatrix.gguf", &d.join("p.gguf"), "p-iq2.gguf");
     assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
     assert!(super::prune::upstream_ppl(&d.join("p-iq2.gguf")).is_finite());
+
+    // A block with its own embedding and LM head (GLM-4.5's converted files): llama-quantize
+    // exempts only token_embd and output by name, so both get IQ2_XXS and need an entry. The
+    // head gets one from --nextn (every token's state goes through it); the embedding is a
+    // lookup table no matmul reads, so no imatrix has one: upstream refuses it by name, and
+    // takes the model once --tensor-type gives it token_embd's type here (Q2_K).
+    let own = fixture_with(
+        "glm4moe-256-own-head",
+        &["--arch", "glm4moe", "--layers", "2", "--n-embd", "256", "--expert-ffn", "256", "--shared-ffn", "256", "--heads", "4", "--head-dim", "64", "--nextn-own-head"],
+    );
+    let out = calibrate(&d, &own, &[&calib[..], &["--nextn", "-o", "own.gguf"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let refused = quantize("own.gguf", &own, "own-iq2.gguf");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("Missing importance matrix for tensor blk.2.nextn.embed_tokens.weight"), "{err}");
+    let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "own.gguf", "--tensor-type", "nextn\\.embed_tokens=q2_K"]).arg(&own).args(["own-iq2.gguf", "IQ2_XXS", "2"]));
+    let log = String::from_utf8_lossy(&q.stderr).to_string() + &String::from_utf8_lossy(&q.stdout);
+    assert!(q.status.success(), "{log}");
+    let line = |t: &str| log.lines().find(|l| l.contains(t)).unwrap_or_else(|| panic!("no line for {t} in {log}")).to_string();
+    let head = line("blk.2.nextn.shared_head_head.weight");
+    assert!(head.contains("iq2_xxs"), "the block's head quantized as IQ2_XXS, with its entry: {head}");
+    assert!(line("blk.2.nextn.embed_tokens.weight").contains("q2_K"));
+    assert!(super::prune::upstream_ppl(&d.join("own-iq2.gguf")).is_finite());
+    // and pruned: the block's embedding and head are copied, its head's entry with them
+    run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "own.reap.json", "--method", "reap_mean", "--k", "16", "--out-dir", "own-maps"]));
+    run_ok(Command::new(ours()).current_dir(&d).args(["prune", "-m"]).arg(&own).args(["--keep-map", "own-maps/keep_reap_mean_k16.json", "-o", "own-p.gguf", "--imatrix", "own.gguf", "--imatrix-out", "own-p.imatrix.gguf"]));
+    let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "own-p.imatrix.gguf", "--tensor-type", "nextn\\.embed_tokens=q2_K", "own-p.gguf", "own-p-iq2.gguf", "IQ2_XXS", "2"]));
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    assert!(super::prune::upstream_ppl(&d.join("own-p-iq2.gguf")).is_finite());
 }
 
 /// `--nextn` with the layers offloaded (`-ngl 99` to a local `ggml-rpc-server`, as on a GPU:
@@ -461,13 +547,15 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
     for arch in ["glm4moe", "deepseek2", "qwen3next", "nemotron_h_moe"] {
-        offloaded(&server, arch);
+        offloaded(&server, arch, &["--arch", arch]);
     }
+    // a block with its own LM head, fed every token as an output: its entry comes off-host too
+    offloaded(&server, "glm4moe-own-head", &["--arch", "glm4moe", "--nextn-own-head"]);
 }
 
-fn offloaded(server: &RpcServer, arch: &str) {
-    let d = temp_dir(&format!("nextn-rpc-{arch}"));
-    let model = fixture(arch);
+fn offloaded(server: &RpcServer, key: &str, fixture_args: &[&str]) {
+    let d = temp_dir(&format!("nextn-rpc-{key}"));
+    let model = fixture_with(key, fixture_args);
     let go = |dir: &str, extra: &[&str]| {
         std::fs::create_dir_all(d.join(dir)).unwrap();
         let out = calibrate(&d.join(dir), &model, &[&["-c", "128", "-b", "128", "--chunks", "4", "--nextn"][..], extra].concat());
@@ -483,6 +571,11 @@ fn offloaded(server: &RpcServer, arch: &str) {
     let (_, off_s) = go("rpc", &rpc);
     assert_same_bytes(&d.join("cpu/i.gguf"), &d.join("rpc/i.gguf"));
     assert!(cpu.entries.contains_key("blk.4.nextn.eh_proj.weight"));
+    let head = cpu.entries.get("blk.4.nextn.shared_head_head.weight");
+    assert_eq!(head.is_some(), fixture_args.contains(&"--nextn-own-head"), "{key}: the own head's entry");
+    if let Some(h) = head {
+        assert_eq!(h.counts, vec![512], "{key}: the own head counts every token");
+    }
     let (a, b) = (cpu_s.layers.last().unwrap(), off_s.layers.last().unwrap());
     assert_eq!((a.layer, &a.count, a.tokens), (b.layer, &b.count, b.tokens));
     for (x, y) in a.reap_l2_sum.iter().zip(&b.reap_l2_sum).chain(a.ean_sum.iter().zip(&b.ean_sum)) {
