@@ -88,11 +88,12 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
 /// `nextn.shared_head_head`, as GLM-4.5's converted files carry): the graph reads the block's
 /// embedding, and every token is fed as an output so the head's imatrix entry (Σx² of the
 /// normed block output, recomputed here from the residual stream and the block's FFN in f64)
-/// counts every token. On glm4moe and qwen35moe (whose graphs otherwise compute no head) and
-/// qwen3next (which computes it for every token anyway).
+/// counts every token. On glm4moe, deepseek2 and qwen35moe (whose graphs otherwise compute no
+/// head) and qwen3next (which computes it for every token anyway).
 #[test]
 fn a_block_with_its_own_head_gets_the_heads_entry() {
     independent("glm4moe", true);
+    independent("deepseek2", true);
     independent("qwen35moe", true);
     independent("qwen3next", true);
 }
