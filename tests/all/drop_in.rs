@@ -284,6 +284,27 @@ fn deepseek2_is_byte_identical() {
     p.assert_same_ppl();
 }
 
+/// glm-dsa (GLM-5's layout): deepseek2's multi-head latent attention and routing, and in every
+/// block the lightning indexer of DeepSeek sparse attention, whose three projections upstream
+/// collects like any matmul's (its top-k, 2048, keeps every key at this length).
+#[test]
+fn glm_dsa_is_byte_identical() {
+    let p = run_both("glm-dsa-c256", &fixture("glm-dsa"), "imatrix.gguf", &args(&[&["-c", "256", "-b", "256"][..], cpu_flags("glm-dsa")].concat()));
+    p.assert_same_file("imatrix.gguf");
+    p.assert_same_ppl();
+    let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+    let (_, size) = reap_imatrix::fixture::FixtureSpec { arch: reap_imatrix::fixture::FixtureArch::GlmDsa, ..Default::default() }.indexer();
+    // attn_k and proj read the residual stream (64 wide), attn_q_b q's latent (32); every
+    // token, as q's own projection
+    let every = &m.entries["blk.1.attn_q_a.weight"].counts;
+    for (t, cols) in [("indexer.attn_k", 64), ("indexer.proj", 64), ("indexer.attn_q_b", 32)] {
+        let e = &m.entries[&format!("blk.1.{t}.weight")];
+        assert_eq!((e.sums.len(), &e.counts), (cols, every), "{t}");
+    }
+    // the keys' Hadamard rotation is 64 wide at the least
+    assert_eq!(size, 64);
+}
+
 /// Heads wider than n_embd / n_head (Qwen3-30B-A3B: n_embd 2048, 32 heads of 128; GLM-4.5-Air:
 /// 4096, 96 of 128): attn_output's input, and its imatrix entry, is n_head × head_dim wide.
 #[test]

@@ -72,6 +72,9 @@ fn calibrate(dir: &Path, model: &Path, extra: &[&str]) -> std::process::Output {
 fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_unchanged() {
     independent("glm4moe", false);
     independent("deepseek2", false);
+    // GLM-5: deepseek2's block after a trunk with DeepSeek sparse attention; the MTP graph runs
+    // dense MLA and never reads the block's own lightning indexer
+    independent("glm-dsa", false);
     // Qwen3.5-MoE: a gated delta net trunk, the block's softmax router (renormalised, no
     // selection bias) and its shared expert behind a sigmoid gate
     independent("qwen35moe", false);
@@ -101,7 +104,7 @@ fn a_block_with_its_own_head_gets_the_heads_entry() {
 fn independent(arch: &str, own_head: bool) {
     let d = temp_dir(&format!("nextn-independent-{arch}{}", if own_head { "-own-head" } else { "" }));
     let model_path = d.join("m.gguf");
-    let ds = arch == "deepseek2";
+    let ds = arch == "deepseek2" || arch == "glm-dsa";
     let q35 = arch == "qwen35moe" || arch == "qwen3next";
     let nemotron = arch == "nemotron_h_moe";
     // the MTP graphs that keep only their output rows before the FFN, and a block with its own
@@ -113,7 +116,7 @@ fn independent(arch: &str, own_head: bool) {
     let own: &[&str] = if own_head { &["--nextn-own-head"] } else { &[] };
     run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", &n_layer.to_string()]).args(own).arg("-o").arg(&model_path));
     let scale = match arch {
-        "deepseek2" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
+        "deepseek2" | "glm-dsa" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };
@@ -428,6 +431,7 @@ fn independent(arch: &str, own_head: bool) {
 fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("glm4moe");
     nextn_path("deepseek2");
+    nextn_path("glm-dsa");
     nextn_path("qwen35moe");
     nextn_path("qwen3next");
     nextn_path("nemotron_h_moe");
@@ -535,6 +539,22 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
     let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "own-p.imatrix.gguf", "--tensor-type", "nextn\\.embed_tokens=q2_K", "own-p.gguf", "own-p-iq2.gguf", "IQ2_XXS", "2"]));
     assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
     assert!(super::prune::upstream_ppl(&d.join("own-p-iq2.gguf")).is_finite());
+
+    // GLM-5 (glm-dsa): its nextn block carries a lightning indexer that llama.cpp's MTP graph
+    // never reads (dense MLA), so no pass gives it entries; upstream refuses it by name, and
+    // takes the model once --tensor-type gives the block's indexer a type that needs none
+    let dsa = fixture_with(
+        "glm-dsa-256",
+        &["--arch", "glm-dsa", "--layers", "2", "--n-embd", "256", "--expert-ffn", "256", "--shared-ffn", "256", "--heads", "4", "--head-dim", "64"],
+    );
+    let out = calibrate(&d, &dsa, &[&calib[..], &["--nextn", "-o", "dsa.gguf"], cpu_flags("glm-dsa")].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let refused = quantize("dsa.gguf", &dsa, "dsa-iq2.gguf");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("Missing importance matrix for tensor blk.2.indexer."), "{err}");
+    let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "dsa.gguf", "--tensor-type", "blk\\.2\\.indexer\\.=q8_0"]).arg(&dsa).args(["dsa-iq2.gguf", "IQ2_XXS", "2"]));
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    assert!(super::prune::upstream_ppl(&d.join("dsa-iq2.gguf")).is_finite());
 }
 
 /// `--nextn` with the layers offloaded (`-ngl 99` to a local `ggml-rpc-server`, as on a GPU:
@@ -547,7 +567,7 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["glm4moe", "deepseek2", "qwen3next", "nemotron_h_moe"] {
+    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe"] {
         offloaded(&server, arch, &["--arch", arch]);
     }
     // a block with its own LM head, fed every token as an output: its entry comes off-host too
