@@ -284,24 +284,27 @@ fn deepseek2_is_byte_identical() {
     p.assert_same_ppl();
 }
 
-/// glm-dsa (GLM-5's layout): deepseek2's multi-head latent attention and routing, and in every
-/// block the lightning indexer of DeepSeek sparse attention, whose three projections upstream
-/// collects like any matmul's (its top-k, 2048, keeps every key at this length).
+/// glm-dsa (GLM-5's layout) and deepseek32 (DeepSeek-V3.2's): deepseek2's multi-head latent
+/// attention and routing, and in every block the lightning indexer of DeepSeek sparse
+/// attention, whose three projections upstream collects like any matmul's (its top-k, 2048,
+/// keeps every key at this length).
 #[test]
-fn glm_dsa_is_byte_identical() {
-    let p = run_both("glm-dsa-c256", &fixture("glm-dsa"), "imatrix.gguf", &args(&[&["-c", "256", "-b", "256"][..], cpu_flags("glm-dsa")].concat()));
-    p.assert_same_file("imatrix.gguf");
-    p.assert_same_ppl();
-    let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
-    let (_, size) = reap_imatrix::fixture::FixtureSpec { arch: reap_imatrix::fixture::FixtureArch::GlmDsa, ..Default::default() }.indexer();
-    // attn_k and proj read the residual stream (64 wide), attn_q_b q's latent (32); every
-    // token, as q's own projection
-    let every = &m.entries["blk.1.attn_q_a.weight"].counts;
-    for (t, cols) in [("indexer.attn_k", 64), ("indexer.proj", 64), ("indexer.attn_q_b", 32)] {
-        let e = &m.entries[&format!("blk.1.{t}.weight")];
-        assert_eq!((e.sums.len(), &e.counts), (cols, every), "{t}");
+fn glm_dsa_and_deepseek32_are_byte_identical() {
+    for arch in ["glm-dsa", "deepseek32"] {
+        let p = run_both(&format!("{arch}-c256"), &fixture(arch), "imatrix.gguf", &args(&[&["-c", "256", "-b", "256"][..], cpu_flags(arch)].concat()));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // attn_k and proj read the residual stream (64 wide), attn_q_b q's latent (32); every
+        // token, as q's own projection
+        let every = &m.entries["blk.1.attn_q_a.weight"].counts;
+        for (t, cols) in [("indexer.attn_k", 64), ("indexer.proj", 64), ("indexer.attn_q_b", 32)] {
+            let e = &m.entries[&format!("blk.1.{t}.weight")];
+            assert_eq!((e.sums.len(), &e.counts), (cols, every), "{arch}: {t}");
+        }
     }
     // the keys' Hadamard rotation is 64 wide at the least
+    let (_, size) = reap_imatrix::fixture::FixtureSpec { arch: reap_imatrix::fixture::FixtureArch::GlmDsa, ..Default::default() }.indexer();
     assert_eq!(size, 64);
 }
 

@@ -75,6 +75,8 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // GLM-5: deepseek2's block after a trunk with DeepSeek sparse attention; the MTP graph runs
     // dense MLA and never reads the block's own lightning indexer
     independent("glm-dsa", false);
+    // DeepSeek-V3.2: the same, under its own arch and MTP graph
+    independent("deepseek32", false);
     // Qwen3.5-MoE: a gated delta net trunk, the block's softmax router (renormalised, no
     // selection bias) and its shared expert behind a sigmoid gate
     independent("qwen35moe", false);
@@ -104,7 +106,7 @@ fn a_block_with_its_own_head_gets_the_heads_entry() {
 fn independent(arch: &str, own_head: bool) {
     let d = temp_dir(&format!("nextn-independent-{arch}{}", if own_head { "-own-head" } else { "" }));
     let model_path = d.join("m.gguf");
-    let ds = arch == "deepseek2" || arch == "glm-dsa";
+    let ds = arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32";
     let q35 = arch == "qwen35moe" || arch == "qwen3next";
     let nemotron = arch == "nemotron_h_moe";
     // the MTP graphs that keep only their output rows before the FFN, and a block with its own
@@ -116,7 +118,7 @@ fn independent(arch: &str, own_head: bool) {
     let own: &[&str] = if own_head { &["--nextn-own-head"] } else { &[] };
     run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", &n_layer.to_string()]).args(own).arg("-o").arg(&model_path));
     let scale = match arch {
-        "deepseek2" | "glm-dsa" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
+        "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };
@@ -432,6 +434,7 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("glm4moe");
     nextn_path("deepseek2");
     nextn_path("glm-dsa");
+    nextn_path("deepseek32");
     nextn_path("qwen35moe");
     nextn_path("qwen3next");
     nextn_path("nemotron_h_moe");

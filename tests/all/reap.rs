@@ -19,9 +19,9 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
-        let glm_like = arch == "glm4moe" || arch == "deepseek2" || arch == "glm-dsa";
+        let glm_like = arch == "glm4moe" || arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32";
         let nemotron = arch == "nemotron_h_moe";
         let sigmoid = glm_like || arch == "minimax-m2" || nemotron;
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
@@ -45,12 +45,12 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         let want = if glm_like { vec![1, 2, 3] } else if nemotron { vec![1, 3] } else { vec![0, 1, 2, 3] };
         assert_eq!(blocks, want, "{arch}");
         assert_eq!(s.routing().softmax(), Some(!sigmoid), "{arch}");
-        if arch != "qwen2moe" && arch != "deepseek2" && arch != "glm-dsa" && !nemotron {
+        if arch != "qwen2moe" && arch != "deepseek2" && arch != "glm-dsa" && arch != "deepseek32" && !nemotron {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
         } else {
-            // qwen2moe does not normalise its top-k weights, deepseek2, glm-dsa and
-            // nemotron_h_moe scale them by 2.5 after
+            // qwen2moe does not normalise its top-k weights, deepseek2, glm-dsa, deepseek32
+            // and nemotron_h_moe scale them by 2.5 after
             assert!(!text.contains("(normalised gating)"), "{arch}'s gates do not sum to 1:\n{text}");
         }
     }
@@ -278,6 +278,8 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // glm-dsa (GLM-5): deepseek2's routing and attention, and the lightning indexer of DeepSeek
     // sparse attention in every block (keeping every key at these lengths)
     independent_computation("glm-dsa", false);
+    // deepseek32 (DeepSeek-V3.2): the same layout under its own arch
+    independent_computation("deepseek32", false);
     // qwen35moe: qwen3moe's renormalised softmax, the shared expert behind its sigmoid gate
     // beside the routed ones, block 1 a gated delta net block
     independent_computation("qwen35moe", true);
@@ -307,10 +309,10 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
 fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(usize, usize)>, fixture_flags: &[&str]) {
     let gpt_oss = arch == "gpt-oss";
     let nemotron = arch == "nemotron_h_moe";
-    let sigmoid = arch == "glm4moe" || arch == "deepseek2" || arch == "glm-dsa" || arch == "minimax-m2" || nemotron;
+    let sigmoid = arch == "glm4moe" || arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32" || arch == "minimax-m2" || nemotron;
     // DeepSeek-V3's (GLM-5's, Nemotron-3's) routed_scaling_factor, on the renormalised gates
     let scale = match arch {
-        "deepseek2" | "glm-dsa" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
+        "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };

@@ -71,7 +71,7 @@ pub fn fixture(arch: &str) -> PathBuf {
 /// `-nr` turns the extra buffer types off; on a CPU without AMX it changes nothing for an
 /// f16 model (ggml repacks quantized types only), so a test means the same on every machine.
 pub fn cpu_flags(arch: &str) -> &'static [&'static str] {
-    if arch == "deepseek2" || arch == "glm-dsa" || arch == "qwen35moe" || arch == "qwen3next" {
+    if arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32" || arch == "qwen35moe" || arch == "qwen3next" {
         &["-nr"]
     } else {
         &[]
