@@ -114,7 +114,7 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
 
 /// The architectures whose nextn/MTP graph (`LLM_GRAPH_TYPE_DECODER_MTP` at the pin) `--nextn`
 /// drives: one block, its input the trunk's final hidden state and the token embedding.
-pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "nemotron_h_moe"];
+pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "nemotron_h_moe", "cohere2moe"];
 
 /// `--nextn`: the model's one nextn block (the block of `blk.N.nextn.eh_proj.weight`), or why not.
 pub fn nextn_block(model: &Path, h: &ModelHeader) -> Result<u32> {

@@ -156,6 +156,25 @@ fn minimax_m2_is_byte_identical() {
     }
 }
 
+/// cohere2moe (Cohere's North-Mini-Code layout): parallel blocks (attention and FFN both read
+/// one LayerNorm's output), three sliding-window blocks to one global block without rotary
+/// embedding, a dense block 0, sigmoid gates not renormalised, the shared expert averaged in;
+/// one sequence per batch and two, and with the experts' gate and up fused.
+#[test]
+fn cohere2moe_is_byte_identical() {
+    let fused = fixture_with("cohere2moe-fused", &["--arch", "cohere2moe", "--fuse-gate-up"]);
+    for (key, model, c, b) in [("c2m-c256", fixture("cohere2moe"), "256", "256"), ("c2m-c128-b256", fixture("cohere2moe"), "128", "256"), ("c2m-fused", fused, "256", "256")] {
+        let p = run_both(key, &model, "imatrix.gguf", &args(&["-c", c, "-b", b]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // block 0 dense, 1–3 MoE with a shared expert; the MTP block 4 never runs
+        assert!(m.entries.contains_key("blk.0.ffn_down.weight") && m.entries.contains_key("blk.3.ffn_down_shexp.weight"));
+        assert!(!m.entries.keys().any(|n| n.starts_with("blk.4.")), "{key}");
+        assert!(!m.entries.keys().any(|n| n.contains("ffn_norm")), "{key}");
+    }
+}
+
 /// nemotron_h_moe (Nemotron-3's layout): Mamba2 mixers (`ssm_in`, the causal convolution, the
 /// selective scan, the grouped gated norm, `ssm_out`), attention without rotary embedding, and
 /// MoE blocks whose experts have no gate (down·relu²(up·x)) beside a shared expert, routed by a

@@ -27,14 +27,30 @@ impl GraphObserver for Hidden {
 
 /// In the MTP graph: the router's input of `block`, the normed hidden-state input and the
 /// residual stream the FFN adds to (`mtp_ffn_inp`, qwen35moe's and qwen3next's
-/// `mtp_attn_residual`).
+/// `mtp_attn_residual`; in cohere2moe's parallel block the sum of `mtp_eh_proj` and
+/// `mtp_attn_out`): the sum of whichever of `residual` the graph has.
 struct MtpInputs {
     router: String,
     hnorm: String,
-    residual: [String; 2],
+    residual: Vec<String>,
     x: Vec<f32>,
     h: Vec<f32>,
-    res: Vec<f32>,
+    /// per residual node: its rows, ubatch after ubatch
+    res: Vec<(String, Vec<f32>)>,
+}
+
+impl MtpInputs {
+    /// The residual stream: the sum of the parts the graph has, row after row.
+    fn residual(&self) -> Vec<f32> {
+        let mut sum = self.res.first().map_or_else(Vec::new, |r| vec![0f32; r.1.len()]);
+        for (name, part) in &self.res {
+            assert_eq!(part.len(), sum.len(), "{name}: a residual part of another length");
+            for (a, b) in sum.iter_mut().zip(part) {
+                *a += b;
+            }
+        }
+        sum
+    }
 }
 
 impl GraphObserver for MtpInputs {
@@ -46,7 +62,12 @@ impl GraphObserver for MtpInputs {
         let (dst, t) = if node.name() == self.hnorm {
             (&mut self.h, node)
         } else if self.residual.iter().any(|r| node.name() == r) {
-            (&mut self.res, node)
+            let name = node.name().to_string();
+            let i = self.res.iter().position(|r| r.0 == name).unwrap_or_else(|| {
+                self.res.push((name, Vec::new()));
+                self.res.len() - 1
+            });
+            (&mut self.res[i].1, node)
         } else {
             (&mut self.x, node.src(1).unwrap())
         };
@@ -87,6 +108,9 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // and a MoE of gateless relu² experts (sigmoid, selection bias, gates scaled by 2.5); its
     // MTP graph too keeps only the output rows before the FFN
     independent("nemotron_h_moe", false);
+    // North-Mini-Code (cohere2moe): a parallel block (attention and FFN read one LayerNorm's
+    // output), sigmoid gates not renormalised, routed and shared expert averaged
+    independent("cohere2moe", false);
 }
 
 /// A block with its own token embedding and LM head (`nextn.embed_tokens`,
@@ -94,13 +118,15 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
 /// embedding, and every token is fed as an output so the head's imatrix entry (Σx² of the
 /// normed block output, recomputed here from the residual stream and the block's FFN in f64)
 /// counts every token. On glm4moe, deepseek2 and qwen35moe (whose graphs otherwise compute no
-/// head) and qwen3next (which computes it for every token anyway).
+/// head), qwen3next (which computes it for every token anyway) and cohere2moe (whose head reads
+/// the block's output through a LayerNorm).
 #[test]
 fn a_block_with_its_own_head_gets_the_heads_entry() {
     independent("glm4moe", true);
     independent("deepseek2", true);
     independent("qwen35moe", true);
     independent("qwen3next", true);
+    independent("cohere2moe", true);
 }
 
 fn independent(arch: &str, own_head: bool) {
@@ -109,6 +135,19 @@ fn independent(arch: &str, own_head: bool) {
     let ds = arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32";
     let q35 = arch == "qwen35moe" || arch == "qwen3next";
     let nemotron = arch == "nemotron_h_moe";
+    // cohere2moe: a parallel block under LayerNorms, sigmoid gates not renormalised, no
+    // selection bias, routed and shared expert averaged
+    let cohere = arch == "cohere2moe";
+    // the residual the FFN's output adds to (the parts the graph names)
+    let residual_parts: &[&str] = if cohere { &["mtp_eh_proj", "mtp_attn_out"] } else { &["mtp_ffn_inp", "mtp_attn_residual"] };
+    // the fixtures' norms: RMSNorm (ε 1e-6), cohere2moe's LayerNorm without bias (ε 1e-5)
+    let norm = |v: &[f64], w: &[f32]| -> Vec<f64> {
+        let n = v.len() as f64;
+        let mean = if cohere { v.iter().sum::<f64>() / n } else { 0.0 };
+        let eps = if cohere { 1e-5 } else { 1e-6 };
+        let s = (v.iter().map(|a| (a - mean) * (a - mean)).sum::<f64>() / n + eps).sqrt();
+        v.iter().zip(w).map(|(a, &g)| (a - mean) / s * g as f64).collect()
+    };
     // the MTP graphs that keep only their output rows before the FFN, and a block with its own
     // head (whose input the imatrix collects)
     let all_outputs = arch == "qwen3next" || nemotron || own_head;
@@ -194,7 +233,7 @@ fn independent(arch: &str, own_head: bool) {
     let obs = MtpInputs {
         router: format!("blk.{block}.ffn_gate_inp.weight"),
         hnorm: format!("mtp_hnorm-{block}"),
-        residual: [format!("mtp_ffn_inp-{block}"), format!("mtp_attn_residual-{block}")],
+        residual: residual_parts.iter().map(|n| format!("{n}-{block}")).collect(),
         x: Vec::new(),
         h: Vec::new(),
         res: Vec::new(),
@@ -230,14 +269,15 @@ fn independent(arch: &str, own_head: bool) {
     }
     let cap = mtp.into_observer();
     let rows = n_ctx * n_chunk;
-    assert_eq!((cap.x.len(), cap.h.len(), cap.res.len()), (rows * n_embd, rows * n_embd, rows * n_embd));
-    // what the graph normed is the state this test fed: RMS norm × nextn.hnorm, zeros at each chunk's start
+    let residual = cap.residual();
+    assert_eq!((cap.x.len(), cap.h.len(), residual.len(), cap.res.len()), (rows * n_embd, rows * n_embd, rows * n_embd, if cohere { 2 } else { 1 }), "the residual's parts: {:?}", cap.res.iter().map(|r| &r.0).collect::<Vec<_>>());
+    // what the graph normed is the state this test fed: the norm × nextn.hnorm, zeros at each chunk's start
     let (hw, _) = gguf_f32(&model_path, &format!("blk.{block}.nextn.hnorm.weight"));
     for r in 0..rows {
         let h = &fed_h[r * n_embd..(r + 1) * n_embd];
-        let ms = h.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / n_embd as f64;
+        let normed = norm(&h.iter().map(|&v| v as f64).collect::<Vec<_>>(), &hw);
         for j in 0..n_embd {
-            let want = h[j] as f64 / (ms + 1e-5).sqrt() * hw[j] as f64;
+            let want = normed[j];
             let got = cap.h[r * n_embd + j] as f64;
             assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {r} element {j}: mtp_hnorm {got}, expected {want}");
         }
@@ -255,7 +295,9 @@ fn independent(arch: &str, own_head: bool) {
         Some(a) => a / (1.0 + (-a).exp()) * u,
         None => u.max(0.0).powi(2),
     };
-    let sel_b = if q35 { vec![0f32; n_expert] } else { w("exp_probs_b.bias") };
+    let sel_b = if q35 || cohere { vec![0f32; n_expert] } else { w("exp_probs_b.bias") };
+    // cohere2moe: (routed + shared) / 2
+    let avg = if cohere { 0.5 } else { 1.0 };
     let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight")).1[1] as usize;
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
@@ -265,10 +307,6 @@ fn independent(arch: &str, own_head: bool) {
     // gate and up, shared expert's gate and up), per expert the SwiGLU the down projection reads
     let mut x_sq = vec![0f64; n_embd];
     let (mut x_sq_e, mut h_sq_e) = (vec![0f64; n_expert * n_embd], vec![0f64; n_expert * n_ff]);
-    let rms = |v: &[f64], w: &[f32]| {
-        let s = (v.iter().map(|a| a * a).sum::<f64>() / v.len() as f64 + 1e-6).sqrt();
-        v.iter().zip(w).map(|(a, &g)| a / s * g as f64).collect::<Vec<f64>>()
-    };
     let (sh_gate, sh_up, sh_down) = ((!nemotron).then(|| w("ffn_gate_shexp.weight")), w("ffn_up_shexp.weight"), w("ffn_down_shexp.weight"));
     let n_sh = sh_up.len() / n_embd;
     let sh_gate_inp = q35.then(|| w("ffn_gate_inp_shexp.weight"));
@@ -281,7 +319,7 @@ fn independent(arch: &str, own_head: bool) {
         for (a, v) in x_sq.iter_mut().zip(&x) {
             *a += v * v;
         }
-        let mut y: Vec<f64> = cap.res[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
+        let mut y: Vec<f64> = residual[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
         let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
         let probs: Vec<f64> = if q35 {
             let m = logits.iter().cloned().fold(f64::MIN, f64::max);
@@ -293,7 +331,7 @@ fn independent(arch: &str, own_head: bool) {
         let mut order: Vec<usize> = (0..n_expert).collect();
         order.sort_by(|&a, &b| (probs[b] + sel_b[b] as f64).total_cmp(&(probs[a] + sel_b[a] as f64)));
         let sel = &order[..k];
-        let wsum: f64 = sel.iter().map(|&e| probs[e]).sum();
+        let wsum: f64 = if cohere { 1.0 } else { sel.iter().map(|&e| probs[e]).sum() };
         for &e in sel {
             let h: Vec<f64> = (0..n_ff)
                 .map(|i| act(gate.as_ref().map(|g| dot_row(g, n_embd, n_ff, e, i, &x)), dot_row(&up, n_embd, n_ff, e, i, &x)))
@@ -301,7 +339,7 @@ fn independent(arch: &str, own_head: bool) {
             let out: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h)).collect();
             let norm = out.iter().map(|v| v * v).sum::<f64>().sqrt();
             for (a, v) in y.iter_mut().zip(&out) {
-                *a += scale * probs[e] / wsum * v;
+                *a += avg * scale * probs[e] / wsum * v;
             }
             for j in 0..n_embd {
                 x_sq_e[e * n_embd + j] += x[j] * x[j];
@@ -323,9 +361,9 @@ fn independent(arch: &str, own_head: bool) {
             // qwen35moe's and qwen3next's shared expert behind its sigmoid gate
             let g = sh_gate_inp.as_ref().map_or(1.0, |gw| 1.0 / (1.0 + (-gw.iter().zip(&x).map(|(&a, b)| a as f64 * b).sum::<f64>()).exp()));
             for (o, a) in y.iter_mut().enumerate() {
-                *a += g * dot_row(&sh_down, n_sh, n_embd, 0, o, &hs);
+                *a += avg * g * dot_row(&sh_down, n_sh, n_embd, 0, o, &hs);
             }
-            for (a, v) in head_sq.iter_mut().zip(rms(&y, hn)) {
+            for (a, v) in head_sq.iter_mut().zip(norm(&y, hn)) {
                 *a += v * v;
             }
         }
@@ -360,9 +398,9 @@ fn independent(arch: &str, own_head: bool) {
         let e: Vec<f64> = token_embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd].iter().map(|&v| v as f64).collect();
         let h: Vec<f64> = fed_h[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
         // eh_proj reads [enorm(embedding); hnorm(state)], attention its result normed
-        let cat: Vec<f64> = rms(&e, &enorm).into_iter().chain(rms(&h, &hnorm)).collect();
+        let cat: Vec<f64> = norm(&e, &enorm).into_iter().chain(norm(&h, &hnorm)).collect();
         let y: Vec<f64> = (0..n_embd).map(|o| dot_row(&eh, 2 * n_embd, n_embd, 0, o, &cat)).collect();
-        for (a, v) in cat_sq.iter_mut().zip(&cat).chain(attn_sq.iter_mut().zip(&rms(&y, &attn_norm))) {
+        for (a, v) in cat_sq.iter_mut().zip(&cat).chain(attn_sq.iter_mut().zip(&norm(&y, &attn_norm))) {
             *a += v * v;
         }
         let x: Vec<f64> = cap.x[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
@@ -438,6 +476,7 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("qwen35moe");
     nextn_path("qwen3next");
     nextn_path("nemotron_h_moe");
+    nextn_path("cohere2moe");
 }
 
 fn nextn_path(arch: &str) {
@@ -570,7 +609,7 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe"] {
+    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe"] {
         offloaded(&server, arch, &["--arch", arch]);
     }
     // a block with its own LM head, fed every token as an output: its entry comes off-host too

@@ -19,9 +19,10 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
-        let glm_like = arch == "glm4moe" || arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32";
+        // cohere2moe: glm4moe's block 0 dense too
+        let glm_like = arch == "glm4moe" || arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32" || arch == "cohere2moe";
         let nemotron = arch == "nemotron_h_moe";
         let sigmoid = glm_like || arch == "minimax-m2" || nemotron;
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
@@ -45,12 +46,12 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         let want = if glm_like { vec![1, 2, 3] } else if nemotron { vec![1, 3] } else { vec![0, 1, 2, 3] };
         assert_eq!(blocks, want, "{arch}");
         assert_eq!(s.routing().softmax(), Some(!sigmoid), "{arch}");
-        if arch != "qwen2moe" && arch != "deepseek2" && arch != "glm-dsa" && arch != "deepseek32" && !nemotron {
+        if !["qwen2moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe"].contains(&arch) && !nemotron {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
         } else {
-            // qwen2moe does not normalise its top-k weights, deepseek2, glm-dsa, deepseek32
-            // and nemotron_h_moe scale them by 2.5 after
+            // qwen2moe and cohere2moe do not normalise their top-k weights, deepseek2, glm-dsa,
+            // deepseek32 and nemotron_h_moe scale them by 2.5 after
             assert!(!text.contains("(normalised gating)"), "{arch}'s gates do not sum to 1:\n{text}");
         }
     }
@@ -296,6 +297,9 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // and routed within expert groups (llama.cpp's group-limited choice is the one deepseek2
     // takes, applied to any arch whose header has expert_group_count)
     independent_computation_grouped("nemotron_h_moe", false, Some((8, 2)));
+    // cohere2moe: sigmoid gates not renormalised, no selection bias; the block parallel (the
+    // router reads attn_norm's output, as attention does), the shared expert averaged in
+    independent_computation("cohere2moe", false);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -309,7 +313,7 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
 fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(usize, usize)>, fixture_flags: &[&str]) {
     let gpt_oss = arch == "gpt-oss";
     let nemotron = arch == "nemotron_h_moe";
-    let sigmoid = arch == "glm4moe" || arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32" || arch == "minimax-m2" || nemotron;
+    let sigmoid = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "minimax-m2", "nemotron_h_moe", "cohere2moe"].contains(&arch);
     // DeepSeek-V3's (GLM-5's, Nemotron-3's) routed_scaling_factor, on the renormalised gates
     let scale = match arch {
         "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
@@ -367,7 +371,8 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
     let b_at = |b: &Option<Vec<f32>>, i: usize| b.as_ref().map_or(0.0, |b| b[i] as f64);
     // the selection bias (glm4moe): moves the choice, not p
     let select_b = gguf_f32_opt(&model_path, &format!("blk.{block}.exp_probs_b.bias"));
-    assert_eq!(select_b.is_some(), sigmoid, "{arch}: exp_probs_b");
+    // (cohere2moe's sigmoid router has none)
+    assert_eq!(select_b.is_some(), sigmoid && arch != "cohere2moe", "{arch}: exp_probs_b");
 
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
