@@ -175,6 +175,25 @@ fn cohere2moe_is_byte_identical() {
     }
 }
 
+/// step35 (Step-3.5-Flash's layout): a head-wise sigmoid gate on the attention, per-head q/k
+/// norms, sliding blocks with twice the query heads of the global ones (which rotate half of
+/// each head), a dense block 0, sigmoid routing with the router bias, renormalised and scaled,
+/// a shared expert, the SwiGLU clamped in the odd blocks; one sequence per batch and two.
+#[test]
+fn step35_is_byte_identical() {
+    for (key, c, b) in [("s35-c256", "256", "256"), ("s35-c128-b256", "128", "256")] {
+        let p = run_both(key, &fixture("step35"), "imatrix.gguf", &args(&["-c", c, "-b", b]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // block 0 dense, 1–3 MoE with a shared expert; the MTP blocks 4–6 never run
+        assert!(m.entries.contains_key("blk.0.ffn_down.weight") && m.entries.contains_key("blk.3.ffn_down_shexp.weight"));
+        assert!(!m.entries.keys().any(|n| ["blk.4.", "blk.5.", "blk.6."].iter().any(|b| n.starts_with(b))), "{key}");
+        // the gate reads attn_norm's output, per query head: 4 in the global block 0, 8 in the sliding 1
+        assert_eq!((m.entries["blk.0.attn_gate.weight"].sums.len(), m.entries["blk.1.attn_output.weight"].sums.len()), (64, 8 * 16));
+    }
+}
+
 /// nemotron_h_moe (Nemotron-3's layout): Mamba2 mixers (`ssm_in`, the causal convolution, the
 /// selective scan, the grouped gated norm, `ssm_out`), attention without rotary embedding, and
 /// MoE blocks whose experts have no gate (down·relu²(up·x)) beside a shared expert, routed by a

@@ -19,10 +19,10 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
-        // cohere2moe: glm4moe's block 0 dense too
-        let glm_like = arch == "glm4moe" || arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32" || arch == "cohere2moe";
+        // cohere2moe, step35: glm4moe's block 0 dense too
+        let glm_like = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35"].contains(&arch);
         let nemotron = arch == "nemotron_h_moe";
         let sigmoid = glm_like || arch == "minimax-m2" || nemotron;
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
@@ -46,12 +46,12 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         let want = if glm_like { vec![1, 2, 3] } else if nemotron { vec![1, 3] } else { vec![0, 1, 2, 3] };
         assert_eq!(blocks, want, "{arch}");
         assert_eq!(s.routing().softmax(), Some(!sigmoid), "{arch}");
-        if !["qwen2moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe"].contains(&arch) && !nemotron {
+        if !["qwen2moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35"].contains(&arch) && !nemotron {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
         } else {
             // qwen2moe and cohere2moe do not normalise their top-k weights, deepseek2, glm-dsa,
-            // deepseek32 and nemotron_h_moe scale them by 2.5 after
+            // deepseek32 and nemotron_h_moe scale them by 2.5 after, step35 by 3
             assert!(!text.contains("(normalised gating)"), "{arch}'s gates do not sum to 1:\n{text}");
         }
     }
@@ -300,6 +300,9 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // cohere2moe: sigmoid gates not renormalised, no selection bias; the block parallel (the
     // router reads attn_norm's output, as attention does), the shared expert averaged in
     independent_computation("cohere2moe", false);
+    // step35: glm4moe's routing scaled by 3, and block 1's SwiGLU clamped (the up projection
+    // to ±limit, silu(gate) to at most limit)
+    independent_computation("step35", false);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -313,13 +316,16 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
 fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(usize, usize)>, fixture_flags: &[&str]) {
     let gpt_oss = arch == "gpt-oss";
     let nemotron = arch == "nemotron_h_moe";
-    let sigmoid = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "minimax-m2", "nemotron_h_moe", "cohere2moe"].contains(&arch);
+    let sigmoid = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35"].contains(&arch);
     // DeepSeek-V3's (GLM-5's, Nemotron-3's) routed_scaling_factor, on the renormalised gates
     let scale = match arch {
         "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
+        "step35" => reap_imatrix::fixture::STEP35_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };
+    // step35's SwiGLU limit in block 1 (the one examined); 0: none
+    let limit = if arch == "step35" { reap_imatrix::fixture::STEP35_SWIGLU_LIMIT as f64 } else { 0.0 };
     // f32 weights, so the GGUF holds exactly what the graph multiplies by
     let d = temp_dir(&format!("reap-independent-{arch}{}{}", if groups.is_some() { "-groups" } else { "" }, fixture_flags.join("")));
     let model_path = d.join("m.gguf");
@@ -381,6 +387,8 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
     let mut router_p = vec![0f64; n_expert];
     // tokens whose top-k the groups changed
     let mut grouping_mattered = 0usize;
+    // expert activations the SwiGLU limit changed
+    let mut clamped = 0usize;
     for t in 0..n_ctx {
         let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
         // what the experts read: x, or its latent
@@ -442,6 +450,10 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
                         // gpt-oss's clamped SwiGLU (alpha 1.702, limit 7)
                         let (a, b) = (a.min(7.0), b.clamp(-7.0, 7.0));
                         a / (1.0 + (-1.702 * a).exp()) * (b + 1.0)
+                    } else if limit > 0.0 {
+                        let silu = a / (1.0 + (-a).exp());
+                        clamped += usize::from(silu > limit || b.abs() > limit);
+                        silu.min(limit) * b.clamp(-limit, limit)
                     } else {
                         a / (1.0 + (-a).exp()) * b
                     }
@@ -460,6 +472,10 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
         }
     }
     assert_eq!(count, lay.count);
+    if limit > 0.0 {
+        // else the test could not tell a clamped SwiGLU from a plain one
+        assert!(clamped * 20 > n_ctx * k * n_ff, "{arch}: the limit changed {clamped} of {} activations", n_ctx * k * n_ff);
+    }
     if groups.is_some() {
         // else the test could not tell grouped from plain routing
         assert!(grouping_mattered * 4 > n_ctx, "{arch}: the groups changed the top-{k} of only {grouping_mattered} of {n_ctx} tokens");
