@@ -269,16 +269,22 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     // every flag is read before the model loads: a typo costs a second, not the load
     let mut params = model_params(&plan.args)?;
     let ctx_params = context_params(&plan)?;
-    let nextn_block = if plan.args.nextn {
-        let b = validate::nextn_block(&model_path, &header)?;
+    let nextn_blocks = if plan.args.nextn {
+        let b = validate::nextn_blocks(&model_path, &header)?;
         params.load_mtp = true;
-        Some((b, header.tensors.contains_key(&format!("blk.{b}.nextn.shared_head_head.weight"))))
+        let own_head = b.iter().any(|b| header.tensors.contains_key(&format!("blk.{b}.nextn.shared_head_head.weight")));
+        Some((b, own_head))
     } else {
         None
     };
     let model = Model::load(&model_path, &params)?;
-    if nextn_block.is_some() && model.n_layer_nextn() != 1 {
-        bail!("--nextn: llama.cpp loaded {} nextn blocks from {}; its MTP graph runs one", model.n_layer_nextn(), model_path.display());
+    if let Some((b, _)) = &nextn_blocks {
+        // the MTP graph runs block n_layer + offset (llama_model_n_layer: the trunk's count):
+        // the blocks with tensors must be those
+        let want: Vec<u32> = (0..model.n_layer_nextn().max(0) as u32).map(|i| model.n_layer() as u32 + i).collect();
+        if *b != want {
+            bail!("--nextn: {} has nextn tensors in blocks {b:?}, but llama.cpp loaded the nextn blocks {want:?} (nextn_predict_layers {})", model_path.display(), model.n_layer_nextn());
+        }
     }
     let reap = plan.reap_out.as_ref().map(|_| {
         let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n_or_default(), plan.args.trace_tokens.unwrap_or(u64::MAX)));
@@ -321,9 +327,9 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         observer.overlap = crate::llama::expert_stats::overlap_wanted(defer);
         observer.reap_by_layer = std::env::var("REAP_PARALLEL_LAYERS").map_or(true, |v| v != "0");
     }
-    observer.capture_hidden = nextn_block.is_some();
+    observer.capture_hidden = nextn_blocks.is_some();
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
-    let mut nextn = nextn_block.map(|(b, own_head)| nextn::NextnPass::new(&model, &ctx_params, b, own_head, ctx.observer())).transpose()?;
+    let mut nextn = nextn_blocks.map(|(b, own_head)| nextn::NextnPass::new(&model, &ctx_params, b, own_head, ctx.observer())).transpose()?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
     }

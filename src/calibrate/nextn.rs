@@ -7,8 +7,14 @@
 //! state (`h_nextn`, the output norm's result) of the token before it; the first token of a
 //! sequence gets the drafter's initial state, zeros. So the block at position p reads t_p and
 //! h_{p−1}, as when it drafts t_{p+1}. Every token of a chunk is fed, the MTP cache cleared
-//! with the trunk's at each chunk. None is an output (the drafter's head is not computed)
-//! unless the block has its own LM head (`nextn.shared_head_head`, as GLM-4.5's files carry),
+//! with the trunk's at each chunk. A model with several MTP blocks (Step-3.5-Flash's three)
+//! has each batch fed to each block in turn, as `process` does where it chains heads: the
+//! batch's positions dropped from the MTP cache, the graph switched to the next block
+//! (`llama_set_nextn_layer_offset`), the same tokens and trunk states decoded again; each block
+//! keeps its own layer of the cache. So every block reads t_p and h_{p−1} (the trunk's), not
+//! the previous block's output: that is what the drafter's cache holds when it drafts, though
+//! its draft steps feed head k the state head k−1 produced. None is an output (the drafter's
+//! head is not computed) unless the block has its own LM head (`nextn.shared_head_head`, as GLM-4.5's files carry),
 //! whose imatrix entry needs the head's input, or the arch's graph needs outputs (see
 //! [`FFN_ON_OUTPUTS_ONLY`]).
 //!
@@ -32,8 +38,10 @@ pub struct NextnPass<'m> {
     ctx: Context<'m, CalibrationObserver>,
     batch: Batch,
     n_embd: usize,
-    /// `blk.N.`: the names of the block's imatrix entries begin so
-    prefix: String,
+    /// the nextn blocks, in the order of their offsets (one for most models)
+    blocks: Vec<u32>,
+    /// per block, `blk.N.`: the names of its imatrix entries begin so
+    prefixes: Vec<String>,
     /// per sequence: the trunk's hidden state of the last token fed so far
     pending: Vec<Vec<f32>>,
     /// every token an output: see [`FFN_ON_OUTPUTS_ONLY`] and [`NextnPass::new`]
@@ -59,10 +67,10 @@ impl<'m> NextnPass<'m> {
     /// token (n_embd × n_vocab multiply-adds); a block that reads the trunk's `output` keeps
     /// computing no head (its entry would mix with the trunk's, and upstream collects
     /// `output.weight` only with `--process-output`).
-    pub fn new(model: &'m Model, trunk: &ContextParams, block: u32, own_head: bool, main: &CalibrationObserver) -> Result<Self> {
-        let prefix = format!("blk.{block}.");
+    pub fn new(model: &'m Model, trunk: &ContextParams, blocks: Vec<u32>, own_head: bool, main: &CalibrationObserver) -> Result<Self> {
+        let prefixes: Vec<String> = blocks.iter().map(|b| format!("blk.{b}.")).collect();
         let mut state = Imatrix::default();
-        state.stats.extend(main.imatrix.state.stats.iter().filter(|(n, _)| n.starts_with(&prefix)).map(|(n, s)| (n.clone(), s.clone())));
+        state.stats.extend(main.imatrix.state.stats.iter().filter(|(n, _)| prefixes.iter().any(|p| n.starts_with(p))).map(|(n, s)| (n.clone(), s.clone())));
         // upstream's accumulation; the checkpoints are the trunk's (this collector never saves)
         let cfg = ImatrixConfig { chunk_size: main.imatrix.cfg.chunk_size, out_freq: i32::MAX, save_freq: 0, process_output: false };
         let reap = main.reap.as_ref().map(|_| ReapState::new(None));
@@ -88,7 +96,7 @@ impl<'m> NextnPass<'m> {
         let batch = ctx.batch();
         let n_embd = model.n_embd() as usize;
         let all_outputs = own_head || model.meta_str("general.architecture").is_some_and(|a| FFN_ON_OUTPUTS_ONLY.contains(&a.as_str()));
-        Ok(NextnPass { ctx, batch, n_embd, prefix, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize], all_outputs })
+        Ok(NextnPass { ctx, batch, n_embd, blocks, prefixes, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize], all_outputs })
     }
 
     /// A new batch of chunks: the MTP cache cleared, every sequence at the drafter's start.
@@ -100,7 +108,7 @@ impl<'m> NextnPass<'m> {
         self.ctx.observer_mut().chunk = chunk;
     }
 
-    /// Runs the block over one batch the trunk has just computed: `fed` holds its tokens,
+    /// Runs the block (each block) over one batch the trunk has just computed: `fed` holds its tokens,
     /// sequence after sequence, `len` per sequence from position `pos0`, and `hidden` the
     /// trunk's final hidden states of those tokens in the same order. Copies the block's
     /// imatrix entries and sums into `main`, and the entries into the imatrix of its queued
@@ -128,45 +136,31 @@ impl<'m> NextnPass<'m> {
             let last = seq * len + len - 1;
             self.pending[seq].copy_from_slice(&hidden[last * e..(last + 1) * e]);
         }
-        // the trunk's rows of this batch, ubatch by ubatch (llama.cpp splits the same batch
-        // alike; each ubatch's tokens are checked against the MTP graph's), with their domains
-        if let (Some(r), Some(t)) = (self.ctx.observer_mut().reap.as_mut(), main.reap.as_ref()) {
-            r.batch = BatchRows { current: None, ..t.batch.clone() };
-            if let (None, Some(d)) = (&r.sums.domains, &t.sums.domains) {
-                r.sums.domains = Some(DomainSplit::new(d.names.clone()));
+        let chained = self.blocks.len() > 1;
+        for head in 0..self.blocks.len() {
+            if chained {
+                // upstream's process(): the batch's positions out of the MTP cache (the freed
+                // cells are reused, so each block's layer of them survives), the next block
+                for seq in 0..n_seq {
+                    if !self.ctx.seq_rm_from(seq as i32, pos0 as i32) {
+                        bail!("--nextn: llama.cpp could not drop positions {pos0}.. of sequence {seq} from the MTP cache (chunk {})", main.chunk);
+                    }
+                }
+                self.ctx.set_nextn_layer_offset(head as i32);
             }
-        }
-        // every token fed must reach the block's router (an MTP graph that keeps only some
-        // rows, as qwen3next's keeps its outputs, would otherwise give the block no statistics)
-        let router = format!("{}ffn_gate_inp.weight", self.prefix);
-        let routed = |o: &CalibrationObserver| o.imatrix.state.stats.get(&router).map_or(0, |s| s.counts.iter().sum::<i64>());
-        let before = routed(self.ctx.observer());
-        let done = self.ctx.decode_or_stop(&mut self.batch);
-        let obs = self.ctx.observer_mut();
-        obs.finish_ubatch();
-        if done.is_ok() {
-            obs.flush_device_imatrix();
-        }
-        if let Some(f) = obs.failure.take() {
-            bail!("--nextn: {f}");
-        }
-        if let Some(t) = obs.imatrix.error.take() {
-            bail!("--nextn: the imatrix sums of {} are not finite (chunk {})", t.tensor, main.chunk);
-        }
-        if !done? {
-            bail!("--nextn: the MTP graph was stopped (chunk {})", main.chunk);
+            let done = self.decode_block(head, fed.len(), main);
+            if chained {
+                self.ctx.set_nextn_layer_offset(0);
+            }
+            done?;
         }
         let obs = self.ctx.observer();
-        if let Some(other) = obs.imatrix.state.stats.keys().find(|n| !n.starts_with(&self.prefix)) {
+        if let Some(other) = obs.imatrix.state.stats.keys().find(|n| !self.prefixes.iter().any(|p| n.starts_with(p))) {
             // never added to the trunk's entry of that name: the trunk's file stays upstream's
-            bail!("--nextn: the MTP graph multiplies by {other}, which is not the nextn block's ({}*); its imatrix entry would mix with the trunk's", self.prefix);
-        }
-        if obs.imatrix.state.stats.is_empty() {
-            bail!("--nextn: the MTP graph has no matmul the imatrix collector recognised (chunk {})", main.chunk);
-        }
-        let got = routed(obs) - before;
-        if got != fed.len() as i64 {
-            bail!("--nextn: the MTP graph's router {router} saw {got} of the {} tokens fed (chunk {}): the block's statistics would leave tokens out", fed.len(), main.chunk);
+            bail!(
+                "--nextn: the MTP graph multiplies by {other}, which is not a nextn block's ({}); its imatrix entry would mix with the trunk's",
+                self.prefixes.iter().map(|p| format!("{p}*")).collect::<Vec<_>>().join(", ")
+            );
         }
         let sums = match &obs.reap {
             Some(r) if r.sums.layers.is_empty() => bail!("--nextn: the MTP graph has no MoE layer the collector recognised (chunk {})", main.chunk),
@@ -190,6 +184,49 @@ impl<'m> NextnPass<'m> {
             for (name, s) in stats {
                 c.imatrix.state.stats.insert(name.clone(), s.clone());
             }
+        }
+        Ok(())
+    }
+
+    /// One block's decode of the batch built by [`NextnPass::run`]: the trunk's rows set up for
+    /// its observer, and every token fed checked to reach the block's router.
+    fn decode_block(&mut self, head: usize, n_fed: usize, main: &CalibrationObserver) -> Result<()> {
+        // the trunk's rows of this batch, ubatch by ubatch (llama.cpp splits the same batch
+        // alike; each ubatch's tokens are checked against the MTP graph's), with their domains
+        if let (Some(r), Some(t)) = (self.ctx.observer_mut().reap.as_mut(), main.reap.as_ref()) {
+            r.batch = BatchRows { current: None, ..t.batch.clone() };
+            if let (None, Some(d)) = (&r.sums.domains, &t.sums.domains) {
+                r.sums.domains = Some(DomainSplit::new(d.names.clone()));
+            }
+        }
+        // every token fed must reach the block's router (an MTP graph that keeps only some
+        // rows, as qwen3next's keeps its outputs, would otherwise give the block no statistics;
+        // a graph that ran another block than this offset's would give it none)
+        let router = format!("{}ffn_gate_inp.weight", self.prefixes[head]);
+        let routed = |o: &CalibrationObserver| o.imatrix.state.stats.get(&router).map_or(0, |s| s.counts.iter().sum::<i64>());
+        let before = routed(self.ctx.observer());
+        let done = self.ctx.decode_or_stop(&mut self.batch);
+        let obs = self.ctx.observer_mut();
+        obs.finish_ubatch();
+        if done.is_ok() {
+            obs.flush_device_imatrix();
+        }
+        if let Some(f) = obs.failure.take() {
+            bail!("--nextn: {f}");
+        }
+        if let Some(t) = obs.imatrix.error.take() {
+            bail!("--nextn: the imatrix sums of {} are not finite (chunk {})", t.tensor, main.chunk);
+        }
+        if !done? {
+            bail!("--nextn: the MTP graph was stopped (chunk {})", main.chunk);
+        }
+        let obs = self.ctx.observer();
+        if obs.imatrix.state.stats.is_empty() {
+            bail!("--nextn: the MTP graph has no matmul the imatrix collector recognised (chunk {})", main.chunk);
+        }
+        let got = routed(obs) - before;
+        if got != n_fed as i64 {
+            bail!("--nextn: the MTP graph's router {router} saw {got} of the {n_fed} tokens fed (chunk {}): the block's statistics would leave tokens out", main.chunk);
         }
         Ok(())
     }

@@ -90,7 +90,7 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
         bail!(UsageError(one_k_per_trace(model, &ks)));
     }
     if a.nextn {
-        nextn_block(model, h)?;
+        nextn_blocks(model, h)?;
     }
     if let Some(n) = a.trace_top_n {
         if h.is_moe() && n < h.n_expert_used as usize {
@@ -113,11 +113,17 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
 }
 
 /// The architectures whose nextn/MTP graph (`LLM_GRAPH_TYPE_DECODER_MTP` at the pin) `--nextn`
-/// drives: one block, its input the trunk's final hidden state and the token embedding.
-pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "nemotron_h_moe", "cohere2moe"];
+/// drives: its input the trunk's final hidden state and the token embedding.
+pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35"];
 
-/// `--nextn`: the model's one nextn block (the block of `blk.N.nextn.eh_proj.weight`), or why not.
-pub fn nextn_block(model: &Path, h: &ModelHeader) -> Result<u32> {
+/// Of those, the ones whose files carry several MTP blocks, one graph running the block
+/// `llama_set_nextn_layer_offset` picks, chained as upstream's drafter chains them
+/// (Step-3.5-Flash: three). The others' models have one.
+pub const CHAINED_NEXTN_ARCHS: &[&str] = &["step35"];
+
+/// `--nextn`: the model's nextn blocks (those of `blk.N.nextn.eh_proj.weight`), in order, or why
+/// not: one, or several consecutive ones where the arch chains them.
+pub fn nextn_blocks(model: &Path, h: &ModelHeader) -> Result<Vec<u32>> {
     if !NEXTN_ARCHS.contains(&h.arch.as_str()) {
         bail!(UsageError(format!(
             "--nextn: {} is {}; the nextn/MTP pass is implemented for {} (llama.cpp's MTP graph at the pin)",
@@ -126,14 +132,21 @@ pub fn nextn_block(model: &Path, h: &ModelHeader) -> Result<u32> {
             NEXTN_ARCHS.join(", ")
         )));
     }
-    let blocks: Vec<u32> = h.tensors.keys().filter_map(|n| n.strip_prefix("blk.")?.strip_suffix(".nextn.eh_proj.weight")?.parse().ok()).collect();
+    let mut blocks: Vec<u32> = h.tensors.keys().filter_map(|n| n.strip_prefix("blk.")?.strip_suffix(".nextn.eh_proj.weight")?.parse().ok()).collect();
+    blocks.sort_unstable();
     match blocks[..] {
-        [b] => Ok(b),
         [] => bail!(UsageError(format!(
             "--nextn: {} has no nextn/MTP block with its own tensors (no blk.N.nextn.eh_proj.weight; converted with --no-mtp, or pruned with --drop-nextn?)",
             model.display()
         ))),
-        _ => bail!(UsageError(format!("--nextn: {} has {} nextn blocks {blocks:?}; llama.cpp's {} MTP graph runs one", model.display(), blocks.len(), h.arch))),
+        [_] => Ok(blocks),
+        _ if !CHAINED_NEXTN_ARCHS.contains(&h.arch.as_str()) => {
+            bail!(UsageError(format!("--nextn: {} has {} nextn blocks {blocks:?}; llama.cpp's {} MTP graph runs one", model.display(), blocks.len(), h.arch)))
+        }
+        _ if blocks.windows(2).any(|w| w[1] != w[0] + 1) => {
+            bail!(UsageError(format!("--nextn: {} has nextn blocks {blocks:?}, not consecutive; llama.cpp's MTP graph runs the blocks after the trunk in order", model.display())))
+        }
+        _ => Ok(blocks),
     }
 }
 
@@ -307,5 +320,25 @@ mod tests {
         assert!(e.contains(&format!("127.0.0.1:{port}")) && e.contains("unreachable"), "{e}");
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         rpc_servers(&l.local_addr().unwrap().to_string()).unwrap();
+    }
+
+    #[test]
+    fn nextn_takes_one_block_or_a_chained_archs_consecutive_ones() {
+        let header = |arch: &str, blocks: &[u32]| ModelHeader {
+            arch: arch.into(),
+            tensors: blocks.iter().map(|b| (format!("blk.{b}.nextn.eh_proj.weight"), [1, 1, 1, 1])).collect(),
+            ..Default::default()
+        };
+        let m = Path::new("m.gguf");
+        let err = |arch: &str, blocks: &[u32]| format!("{:#}", nextn_blocks(m, &header(arch, blocks)).unwrap_err());
+        assert_eq!(nextn_blocks(m, &header("glm4moe", &[92])).unwrap(), [92]);
+        // in block order, not the names' (blk.10 sorts before blk.9)
+        assert_eq!(nextn_blocks(m, &header("step35", &[10, 8, 9])).unwrap(), [8, 9, 10]);
+        let e = err("glm4moe", &[4, 5]);
+        assert!(e.contains("has 2 nextn blocks [4, 5]; llama.cpp's glm4moe MTP graph runs one"), "{e}");
+        let e = err("step35", &[4, 6]);
+        assert!(e.contains("nextn blocks [4, 6], not consecutive"), "{e}");
+        assert!(err("step35", &[]).contains("no nextn/MTP block"));
+        assert!(err("qwen3moe", &[4]).contains("is qwen3moe; the nextn/MTP pass is implemented for"));
     }
 }

@@ -134,6 +134,18 @@ impl<'m, O: GraphObserver> Context<'m, O> {
         unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.raw), true) }
     }
 
+    /// Drops positions `p0..` of sequence `seq` from the KV cache; the freed cells are reused
+    /// first (the cache's head moves back), so a batch decoded again lands in the same cells.
+    pub fn seq_rm_from(&mut self, seq: i32, p0: i32) -> bool {
+        unsafe { sys::llama_memory_seq_rm(sys::llama_get_memory(self.raw), seq, p0, -1) }
+    }
+
+    /// Which of the model's nextn/MTP blocks an MTP context's graph runs (il = trunk + offset),
+    /// as llama.cpp's drafter chains Step-3.5's three heads.
+    pub fn set_nextn_layer_offset(&mut self, offset: i32) {
+        unsafe { set_nextn_layer_offset(self.raw, offset) }
+    }
+
     pub fn synchronize(&mut self) {
         unsafe { sys::llama_synchronize(self.raw) }
     }
@@ -219,4 +231,12 @@ pub(crate) fn add_rpc_devices(servers: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+extern "C" {
+    // Declared in the pin's src/llama-ext.h, a C++ header (outside llama.h's extern "C", so
+    // bindgen cannot read it and the symbol is C++-mangled): the Itanium ABI's name for
+    // `void llama_set_nextn_layer_offset(llama_context *, int32_t)`, as gcc and clang emit it.
+    #[link_name = "_Z28llama_set_nextn_layer_offsetP13llama_contexti"]
+    fn set_nextn_layer_offset(ctx: *mut sys::llama_context, offset: i32);
 }

@@ -29,7 +29,7 @@ impl GraphObserver for Hidden {
 /// residual stream the FFN adds to (`mtp_ffn_inp`, qwen35moe's and qwen3next's
 /// `mtp_attn_residual`; in cohere2moe's parallel block the sum of `mtp_eh_proj` and
 /// `mtp_attn_out`): the sum of whichever of `residual` the graph has.
-struct MtpInputs {
+struct BlockInputs {
     router: String,
     hnorm: String,
     residual: Vec<String>,
@@ -39,7 +39,13 @@ struct MtpInputs {
     res: Vec<(String, Vec<f32>)>,
 }
 
-impl MtpInputs {
+/// Each nextn block's inputs; `cur` is the block the graph runs now (its offset).
+struct MtpInputs {
+    blocks: Vec<BlockInputs>,
+    cur: usize,
+}
+
+impl BlockInputs {
     /// The residual stream: the sum of the parts the graph has, row after row.
     fn residual(&self) -> Vec<f32> {
         let mut sum = self.res.first().map_or_else(Vec::new, |r| vec![0f32; r.1.len()]);
@@ -55,21 +61,23 @@ impl MtpInputs {
 
 impl GraphObserver for MtpInputs {
     fn wants(&mut self, node: Node<'_>) -> bool {
-        node.src(0).is_some_and(|s| s.name() == self.router) || node.name() == self.hnorm || self.residual.iter().any(|r| node.name() == r)
+        let b = &self.blocks[self.cur];
+        node.src(0).is_some_and(|s| s.name() == b.router) || node.name() == b.hnorm || b.residual.iter().any(|r| node.name() == r)
     }
     fn observe(&mut self, node: Node<'_>) -> bool {
+        let b = &mut self.blocks[self.cur];
         let mut s = Vec::new();
-        let (dst, t) = if node.name() == self.hnorm {
-            (&mut self.h, node)
-        } else if self.residual.iter().any(|r| node.name() == r) {
+        let (dst, t) = if node.name() == b.hnorm {
+            (&mut b.h, node)
+        } else if b.residual.iter().any(|r| node.name() == r) {
             let name = node.name().to_string();
-            let i = self.res.iter().position(|r| r.0 == name).unwrap_or_else(|| {
-                self.res.push((name, Vec::new()));
-                self.res.len() - 1
+            let i = b.res.iter().position(|r| r.0 == name).unwrap_or_else(|| {
+                b.res.push((name, Vec::new()));
+                b.res.len() - 1
             });
-            (&mut self.res[i].1, node)
+            (&mut b.res[i].1, node)
         } else {
-            (&mut self.x, node.src(1).unwrap())
+            (&mut b.x, node.src(1).unwrap())
         };
         let info = t.info();
         let data = t.bytes(&mut s);
@@ -111,6 +119,9 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // North-Mini-Code (cohere2moe): a parallel block (attention and FFN read one LayerNorm's
     // output), sigmoid gates not renormalised, routed and shared expert averaged
     independent("cohere2moe", false);
+    // Step-3.5-Flash: three MTP blocks (one global, two sliding), each fed every batch in turn
+    // through the graph's block offset; gated attention, gates scaled by 3
+    independent("step35", false);
 }
 
 /// A block with its own token embedding and LM head (`nextn.embed_tokens`,
@@ -138,6 +149,10 @@ fn independent(arch: &str, own_head: bool) {
     // cohere2moe: a parallel block under LayerNorms, sigmoid gates not renormalised, no
     // selection bias, routed and shared expert averaged
     let cohere = arch == "cohere2moe";
+    // step35: three nextn blocks, each fed every batch (the cache's positions of the batch
+    // dropped, the graph's block offset set, as upstream's drafter chains them)
+    let step35 = arch == "step35";
+    let n_nextn = if step35 { reap_imatrix::fixture::STEP35_NEXTN_BLOCKS as usize } else { 1 };
     // the residual the FFN's output adds to (the parts the graph names)
     let residual_parts: &[&str] = if cohere { &["mtp_eh_proj", "mtp_attn_out"] } else { &["mtp_ffn_inp", "mtp_attn_residual"] };
     // the fixtures' norms: RMSNorm (ε 1e-6), cohere2moe's LayerNorm without bias (ε 1e-5)
@@ -159,8 +174,11 @@ fn independent(arch: &str, own_head: bool) {
     let scale = match arch {
         "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
+        "step35" => reap_imatrix::fixture::STEP35_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };
+    let blocks: Vec<usize> = (n_layer..n_layer + n_nextn).collect();
+    let block_ids: Vec<u32> = blocks.iter().map(|&b| b as u32).collect();
     let (n_ctx, n_batch, n_chunk) = (64usize, 32usize, 2usize);
     // .at_N copies every chunk: a checkpoint holds the block as of the trunk's batch
     let flags = ["-c", "64", "-b", "32", "--chunks", "2", "--trace-out", "t.bin", "--save-frequency", "1"];
@@ -182,7 +200,7 @@ fn independent(arch: &str, own_head: bool) {
         }
         let mut b = b.entries;
         b.retain(|n, _| !a.entries.contains_key(n));
-        assert!(b.keys().all(|n| n.starts_with(&format!("blk.{n_layer}."))), "{with}: {:?}", b.keys().collect::<Vec<_>>());
+        assert!(b.keys().all(|n| blocks.iter().any(|k| n.starts_with(&format!("blk.{k}.")))), "{with}: {:?}", b.keys().collect::<Vec<_>>());
         b
     };
     // --no-reap: the imatrix alone, the same bytes
@@ -192,16 +210,16 @@ fn independent(arch: &str, own_head: bool) {
     assert_same_bytes(&d.join("nextn/i.gguf"), &d.join("no-reap/i.gguf"));
     assert!(!d.join("no-reap/i.reap.json").exists());
     let at1 = block_entries("plain/i.gguf.at_1", "nextn/i.gguf.at_1");
-    assert_eq!(at1[&format!("blk.{n_layer}.ffn_gate_inp.weight")].counts, vec![n_ctx as i64], "the first chunk's checkpoint holds the block's whole chunk");
+    for b in &blocks {
+        assert_eq!(at1[&format!("blk.{b}.ffn_gate_inp.weight")].counts, vec![n_ctx as i64], "the first chunk's checkpoint holds block {b}'s whole chunk");
+    }
     let entries = block_entries("plain/i.gguf", "nextn/i.gguf");
     let a = Saliency::read(&d.join("plain/i.reap.json")).unwrap();
     let s = Saliency::read(&d.join("nextn/i.reap.json")).unwrap();
-    assert_eq!(s.nextn_blocks, vec![n_layer as u32]);
+    assert_eq!(s.nextn_blocks, block_ids);
     assert_eq!(s.trunk(), &a.layers[..]);
-    assert_eq!(s.layers.len(), a.layers.len() + 1);
-    let lay = s.layers.last().unwrap();
-    assert_eq!((lay.layer, lay.tokens), (n_layer as u32, (n_ctx * n_chunk) as u64));
-    let (n_expert, k) = (lay.n_expert, lay.n_expert_used);
+    assert_eq!(s.layers.len(), a.layers.len() + n_nextn);
+    let (n_expert, k) = (s.layers.last().unwrap().n_expert, s.layers.last().unwrap().n_expert_used);
 
     // --domains: two domains split inside chunk 1 (token `split` starts domain b)
     let model = Model::load(&model_path, &ModelParams { load_mtp: true, ..Default::default() }).unwrap();
@@ -219,7 +237,7 @@ fn independent(arch: &str, own_head: bool) {
     let sd = Saliency::read(&d.join("domains/i.reap.json")).unwrap();
     // the whole run's sums are the run's without --domains, the block's among them
     assert_eq!(sd.layers, s.layers);
-    assert_eq!(sd.nextn_blocks, vec![n_layer as u32]);
+    assert_eq!(sd.nextn_blocks, block_ids);
     assert_same_bytes(&d.join("nextn/i.gguf"), &d.join("domains/i.gguf"));
     let names: Vec<&str> = sd.domains.iter().map(|x| x.name.as_str()).collect();
     assert_eq!(names, ["a", "b"]);
@@ -229,14 +247,19 @@ fn independent(arch: &str, own_head: bool) {
     // the same tokens through the trunk, then the MTP graph fed as upstream's drafter feeds it
     let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_batch as u32, n_ubatch: n_batch as u32, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1, ..Default::default() };
     let mut trunk = Context::new(&model, &p, Hidden(Vec::new())).unwrap();
-    let block = n_layer;
     let obs = MtpInputs {
-        router: format!("blk.{block}.ffn_gate_inp.weight"),
-        hnorm: format!("mtp_hnorm-{block}"),
-        residual: residual_parts.iter().map(|n| format!("{n}-{block}")).collect(),
-        x: Vec::new(),
-        h: Vec::new(),
-        res: Vec::new(),
+        blocks: blocks
+            .iter()
+            .map(|block| BlockInputs {
+                router: format!("blk.{block}.ffn_gate_inp.weight"),
+                hnorm: format!("mtp_hnorm-{block}"),
+                residual: residual_parts.iter().map(|n| format!("{n}-{block}")).collect(),
+                x: Vec::new(),
+                h: Vec::new(),
+                res: Vec::new(),
+            })
+            .collect(),
+        cur: 0,
     };
     let mut mtp = Context::new(&model, &ContextParams { mtp: true, ..p.clone() }, obs).unwrap();
     let n_embd = model.n_embd() as usize;
@@ -264,198 +287,221 @@ fn independent(arch: &str, own_head: bool) {
                 fed_t.push(chunk[j * n_batch + i] as usize);
                 prev.copy_from_slice(&hidden[i * n_embd..(i + 1) * n_embd]);
             }
-            mtp.decode(&mut m).unwrap();
+            // each block in turn (upstream's process() where the model has several)
+            for head in 0..n_nextn {
+                if n_nextn > 1 {
+                    assert!(mtp.seq_rm_from(0, (j * n_batch) as i32));
+                    mtp.set_nextn_layer_offset(head as i32);
+                }
+                mtp.observer_mut().cur = head;
+                mtp.decode(&mut m).unwrap();
+            }
         }
     }
-    let cap = mtp.into_observer();
+    let caps = mtp.into_observer();
     let rows = n_ctx * n_chunk;
-    let residual = cap.residual();
-    assert_eq!((cap.x.len(), cap.h.len(), residual.len(), cap.res.len()), (rows * n_embd, rows * n_embd, rows * n_embd, if cohere { 2 } else { 1 }), "the residual's parts: {:?}", cap.res.iter().map(|r| &r.0).collect::<Vec<_>>());
-    // what the graph normed is the state this test fed: the norm × nextn.hnorm, zeros at each chunk's start
-    let (hw, _) = gguf_f32(&model_path, &format!("blk.{block}.nextn.hnorm.weight"));
-    for r in 0..rows {
-        let h = &fed_h[r * n_embd..(r + 1) * n_embd];
-        let normed = norm(&h.iter().map(|&v| v as f64).collect::<Vec<_>>(), &hw);
-        for j in 0..n_embd {
-            let want = normed[j];
-            let got = cap.h[r * n_embd + j] as f64;
-            assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {r} element {j}: mtp_hnorm {got}, expected {want}");
-        }
-        if r % n_ctx == 0 {
-            assert!(h.iter().all(|&v| v == 0.0));
-        }
-    }
-
-    // REAP of the block from its router input and weights, in f64 (sigmoid, choice by p + bias,
-    // gates renormalised over the picks; qwen35moe: softmax, choice by p, renormalised)
-    let w = |t: &str| gguf_f32(&model_path, &format!("blk.{block}.{t}")).0;
-    // nemotron_h_moe's experts and shared expert have no gate: down·relu²(up·x)
-    let (router, gate, up, down) = (w("ffn_gate_inp.weight"), (!nemotron).then(|| w("ffn_gate_exps.weight")), w("ffn_up_exps.weight"), w("ffn_down_exps.weight"));
-    let act = |g: Option<f64>, u: f64| match g {
-        Some(a) => a / (1.0 + (-a).exp()) * u,
-        None => u.max(0.0).powi(2),
-    };
-    let sel_b = if q35 || cohere { vec![0f32; n_expert] } else { w("exp_probs_b.bias") };
-    // cohere2moe: (routed + shared) / 2
-    let avg = if cohere { 0.5 } else { 1.0 };
-    let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight")).1[1] as usize;
-    let mut count = vec![0u64; n_expert];
-    let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
-    // per domain: count, reap, prob
-    let mut by_dom = vec![(vec![0u64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]); 2];
-    // the imatrix's Σx² of the block's matmul inputs: the router's input x (router, experts'
-    // gate and up, shared expert's gate and up), per expert the SwiGLU the down projection reads
-    let mut x_sq = vec![0f64; n_embd];
-    let (mut x_sq_e, mut h_sq_e) = (vec![0f64; n_expert * n_embd], vec![0f64; n_expert * n_ff]);
-    let (sh_gate, sh_up, sh_down) = ((!nemotron).then(|| w("ffn_gate_shexp.weight")), w("ffn_up_shexp.weight"), w("ffn_down_shexp.weight"));
-    let n_sh = sh_up.len() / n_embd;
-    let sh_gate_inp = q35.then(|| w("ffn_gate_inp_shexp.weight"));
-    // the own head's input: the block's output (residual + routed + shared expert), RMS-normed
-    // × nextn.shared_head_norm; Σ of its squares per column
-    let head_norm = own_head.then(|| w("nextn.shared_head_norm.weight"));
-    let mut head_sq = vec![0f64; n_embd];
-    for t in 0..rows {
-        let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
-        for (a, v) in x_sq.iter_mut().zip(&x) {
-            *a += v * v;
-        }
-        let mut y: Vec<f64> = residual[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
-        let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
-        let probs: Vec<f64> = if q35 {
-            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
-            let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
-            logits.iter().map(|l| (l - m).exp() / z).collect()
-        } else {
-            logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect()
-        };
-        let mut order: Vec<usize> = (0..n_expert).collect();
-        order.sort_by(|&a, &b| (probs[b] + sel_b[b] as f64).total_cmp(&(probs[a] + sel_b[a] as f64)));
-        let sel = &order[..k];
-        let wsum: f64 = if cohere { 1.0 } else { sel.iter().map(|&e| probs[e]).sum() };
-        for &e in sel {
-            let h: Vec<f64> = (0..n_ff)
-                .map(|i| act(gate.as_ref().map(|g| dot_row(g, n_embd, n_ff, e, i, &x)), dot_row(&up, n_embd, n_ff, e, i, &x)))
-                .collect();
-            let out: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h)).collect();
-            let norm = out.iter().map(|v| v * v).sum::<f64>().sqrt();
-            for (a, v) in y.iter_mut().zip(&out) {
-                *a += avg * scale * probs[e] / wsum * v;
-            }
+    for (bi, &block) in blocks.iter().enumerate() {
+        let cap = &caps.blocks[bi];
+        let lay = &s.layers[a.layers.len() + bi];
+        assert_eq!((lay.layer, lay.tokens), (block as u32, rows as u64));
+        let residual = cap.residual();
+        assert_eq!((cap.x.len(), cap.h.len(), residual.len(), cap.res.len()), (rows * n_embd, rows * n_embd, rows * n_embd, if cohere { 2 } else { 1 }), "the residual's parts: {:?}", cap.res.iter().map(|r| &r.0).collect::<Vec<_>>());
+        // what the graph normed is the state this test fed: the norm × nextn.hnorm, zeros at each chunk's start
+        let (hw, _) = gguf_f32(&model_path, &format!("blk.{block}.nextn.hnorm.weight"));
+        for r in 0..rows {
+            let h = &fed_h[r * n_embd..(r + 1) * n_embd];
+            let normed = norm(&h.iter().map(|&v| v as f64).collect::<Vec<_>>(), &hw);
             for j in 0..n_embd {
-                x_sq_e[e * n_embd + j] += x[j] * x[j];
+                let want = normed[j];
+                let got = cap.h[r * n_embd + j] as f64;
+                assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {r} element {j}: mtp_hnorm {got}, expected {want}");
             }
-            for i in 0..n_ff {
-                h_sq_e[e * n_ff + i] += h[i] * h[i];
+            if r % n_ctx == 0 {
+                assert!(h.iter().all(|&v| v == 0.0));
             }
-            count[e] += 1;
-            reap[e] += scale * probs[e] / wsum * norm;
-            ean[e] += norm;
-            prob[e] += scale * probs[e] / wsum;
-            let dm = &mut by_dom[dom_of(t)];
-            dm.0[e] += 1;
-            dm.1[e] += scale * probs[e] / wsum * norm;
-            dm.2[e] += scale * probs[e] / wsum;
         }
-        if let Some(hn) = &head_norm {
-            let hs: Vec<f64> = (0..n_sh).map(|i| act(sh_gate.as_ref().map(|g| dot_row(g, n_embd, n_sh, 0, i, &x)), dot_row(&sh_up, n_embd, n_sh, 0, i, &x))).collect();
-            // qwen35moe's and qwen3next's shared expert behind its sigmoid gate
-            let g = sh_gate_inp.as_ref().map_or(1.0, |gw| 1.0 / (1.0 + (-gw.iter().zip(&x).map(|(&a, b)| a as f64 * b).sum::<f64>()).exp()));
-            for (o, a) in y.iter_mut().enumerate() {
-                *a += avg * g * dot_row(&sh_down, n_sh, n_embd, 0, o, &hs);
-            }
-            for (a, v) in head_sq.iter_mut().zip(norm(&y, hn)) {
+
+        // REAP of the block from its router input and weights, in f64 (sigmoid, choice by p + bias,
+        // gates renormalised over the picks; qwen35moe: softmax, choice by p, renormalised)
+        let w = |t: &str| gguf_f32(&model_path, &format!("blk.{block}.{t}")).0;
+        // nemotron_h_moe's experts and shared expert have no gate: down·relu²(up·x)
+        let (router, gate, up, down) = (w("ffn_gate_inp.weight"), (!nemotron).then(|| w("ffn_gate_exps.weight")), w("ffn_up_exps.weight"), w("ffn_down_exps.weight"));
+        let act = |g: Option<f64>, u: f64| match g {
+            Some(a) => a / (1.0 + (-a).exp()) * u,
+            None => u.max(0.0).powi(2),
+        };
+        let sel_b = if q35 || cohere { vec![0f32; n_expert] } else { w("exp_probs_b.bias") };
+        // cohere2moe: (routed + shared) / 2
+        let avg = if cohere { 0.5 } else { 1.0 };
+        let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight")).1[1] as usize;
+        let mut count = vec![0u64; n_expert];
+        let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
+        // per domain: count, reap, prob
+        let mut by_dom = vec![(vec![0u64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]); 2];
+        // the imatrix's Σx² of the block's matmul inputs: the router's input x (router, experts'
+        // gate and up, shared expert's gate and up), per expert the SwiGLU the down projection reads
+        let mut x_sq = vec![0f64; n_embd];
+        let (mut x_sq_e, mut h_sq_e) = (vec![0f64; n_expert * n_embd], vec![0f64; n_expert * n_ff]);
+        let (sh_gate, sh_up, sh_down) = ((!nemotron).then(|| w("ffn_gate_shexp.weight")), w("ffn_up_shexp.weight"), w("ffn_down_shexp.weight"));
+        let n_sh = sh_up.len() / n_embd;
+        let sh_gate_inp = q35.then(|| w("ffn_gate_inp_shexp.weight"));
+        // the own head's input: the block's output (residual + routed + shared expert), RMS-normed
+        // × nextn.shared_head_norm; Σ of its squares per column
+        let head_norm = own_head.then(|| w("nextn.shared_head_norm.weight"));
+        let mut head_sq = vec![0f64; n_embd];
+        for t in 0..rows {
+            let x: Vec<f64> = cap.x[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
+            for (a, v) in x_sq.iter_mut().zip(&x) {
                 *a += v * v;
             }
+            let mut y: Vec<f64> = residual[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
+            let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
+            let probs: Vec<f64> = if q35 {
+                let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+                logits.iter().map(|l| (l - m).exp() / z).collect()
+            } else {
+                logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect()
+            };
+            let mut order: Vec<usize> = (0..n_expert).collect();
+            order.sort_by(|&a, &b| (probs[b] + sel_b[b] as f64).total_cmp(&(probs[a] + sel_b[a] as f64)));
+            let sel = &order[..k];
+            let wsum: f64 = if cohere { 1.0 } else { sel.iter().map(|&e| probs[e]).sum() };
+            for &e in sel {
+                let h: Vec<f64> = (0..n_ff)
+                    .map(|i| act(gate.as_ref().map(|g| dot_row(g, n_embd, n_ff, e, i, &x)), dot_row(&up, n_embd, n_ff, e, i, &x)))
+                    .collect();
+                let out: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h)).collect();
+                let norm = out.iter().map(|v| v * v).sum::<f64>().sqrt();
+                for (a, v) in y.iter_mut().zip(&out) {
+                    *a += avg * scale * probs[e] / wsum * v;
+                }
+                for j in 0..n_embd {
+                    x_sq_e[e * n_embd + j] += x[j] * x[j];
+                }
+                for i in 0..n_ff {
+                    h_sq_e[e * n_ff + i] += h[i] * h[i];
+                }
+                count[e] += 1;
+                reap[e] += scale * probs[e] / wsum * norm;
+                ean[e] += norm;
+                prob[e] += scale * probs[e] / wsum;
+                let dm = &mut by_dom[dom_of(t)];
+                dm.0[e] += 1;
+                dm.1[e] += scale * probs[e] / wsum * norm;
+                dm.2[e] += scale * probs[e] / wsum;
+            }
+            if let Some(hn) = &head_norm {
+                let hs: Vec<f64> = (0..n_sh).map(|i| act(sh_gate.as_ref().map(|g| dot_row(g, n_embd, n_sh, 0, i, &x)), dot_row(&sh_up, n_embd, n_sh, 0, i, &x))).collect();
+                // qwen35moe's and qwen3next's shared expert behind its sigmoid gate
+                let g = sh_gate_inp.as_ref().map_or(1.0, |gw| 1.0 / (1.0 + (-gw.iter().zip(&x).map(|(&a, b)| a as f64 * b).sum::<f64>()).exp()));
+                for (o, a) in y.iter_mut().enumerate() {
+                    *a += avg * g * dot_row(&sh_down, n_sh, n_embd, 0, o, &hs);
+                }
+                for (a, v) in head_sq.iter_mut().zip(norm(&y, hn)) {
+                    *a += v * v;
+                }
+            }
         }
-    }
-    assert_eq!(count, lay.count, "the nextn block's selection counts");
-    assert!(count.iter().filter(|&&c| c > 0).count() > k, "the block routes to more than k experts");
-    let rel = |a: f64, b: f64| (a - b).abs() / a.abs().max(b.abs()).max(1e-30);
-    for e in 0..n_expert {
-        assert!(rel(reap[e], lay.reap_l2_sum[e]) < 1e-5, "expert {e}: reap_l2_sum {} vs independent {}", lay.reap_l2_sum[e], reap[e]);
-        assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
-        assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
-    }
-    // each domain's part of the block: its own tokens' sums (the trunk's layers come first)
-    for (dm, (want_count, want_reap, want_prob)) in sd.domains.iter().zip(&by_dom) {
-        assert_eq!(dm.layers.len(), sd.layers.len(), "domain {}", dm.name);
-        let got = dm.layers.last().unwrap();
-        assert_eq!(got.layer, n_layer as u32);
-        assert_eq!(&got.count, want_count, "domain {}: the block's counts", dm.name);
+        assert_eq!(count, lay.count, "the nextn block's selection counts");
+        assert!(count.iter().filter(|&&c| c > 0).count() > k, "the block routes to more than k experts");
+        let rel = |a: f64, b: f64| (a - b).abs() / a.abs().max(b.abs()).max(1e-30);
         for e in 0..n_expert {
-            assert!(rel(want_reap[e], got.reap_l2_sum[e]) < 1e-5 || want_reap[e] == got.reap_l2_sum[e], "domain {} expert {e}: reap_l2_sum {} vs independent {}", dm.name, got.reap_l2_sum[e], want_reap[e]);
-            assert!(rel(want_prob[e], got.prob_sum[e]) < 1e-5 || want_prob[e] == got.prob_sum[e], "domain {} expert {e}: prob_sum {} vs independent {}", dm.name, got.prob_sum[e], want_prob[e]);
+            assert!(rel(reap[e], lay.reap_l2_sum[e]) < 1e-5, "expert {e}: reap_l2_sum {} vs independent {}", lay.reap_l2_sum[e], reap[e]);
+            assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
+            assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
         }
-    }
-    assert!(by_dom.iter().all(|x| x.0.iter().sum::<u64>() > 0), "both domains route tokens through the block");
+        // each domain's part of the block: its own tokens' sums (the trunk's layers come first)
+        for (dm, (want_count, want_reap, want_prob)) in sd.domains.iter().zip(&by_dom) {
+            assert_eq!(dm.layers.len(), sd.layers.len(), "domain {}", dm.name);
+            let got = &dm.layers[dm.layers.len() - n_nextn + bi];
+            assert_eq!(got.layer, block as u32);
+            assert_eq!(&got.count, want_count, "domain {}: the block's counts", dm.name);
+            for e in 0..n_expert {
+                assert!(rel(want_reap[e], got.reap_l2_sum[e]) < 1e-5 || want_reap[e] == got.reap_l2_sum[e], "domain {} expert {e}: reap_l2_sum {} vs independent {}", dm.name, got.reap_l2_sum[e], want_reap[e]);
+                assert!(rel(want_prob[e], got.prob_sum[e]) < 1e-5 || want_prob[e] == got.prob_sum[e], "domain {} expert {e}: prob_sum {} vs independent {}", dm.name, got.prob_sum[e], want_prob[e]);
+            }
+        }
+        assert!(by_dom.iter().all(|x| x.0.iter().sum::<u64>() > 0), "both domains route tokens through the block");
 
-    // the block's imatrix entries against the same tokens and states, recomputed in f64
-    // the block's own embedding where it has one (the trunk's otherwise)
-    let token_embd = if own_head { w("nextn.embed_tokens.weight") } else { gguf_f32(&model_path, "token_embd.weight").0 };
-    let (enorm, hnorm, eh, attn_norm) = (w("nextn.enorm.weight"), hw.clone(), w("nextn.eh_proj.weight"), w("attn_norm.weight"));
-    let (mut cat_sq, mut attn_sq, mut sh_sq) = (vec![0f64; 2 * n_embd], vec![0f64; n_embd], vec![0f64; n_sh]);
-    for r in 0..rows {
-        let e: Vec<f64> = token_embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd].iter().map(|&v| v as f64).collect();
-        let h: Vec<f64> = fed_h[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
-        // eh_proj reads [enorm(embedding); hnorm(state)], attention its result normed
-        let cat: Vec<f64> = norm(&e, &enorm).into_iter().chain(norm(&h, &hnorm)).collect();
-        let y: Vec<f64> = (0..n_embd).map(|o| dot_row(&eh, 2 * n_embd, n_embd, 0, o, &cat)).collect();
-        for (a, v) in cat_sq.iter_mut().zip(&cat).chain(attn_sq.iter_mut().zip(&norm(&y, &attn_norm))) {
-            *a += v * v;
+        // the block's imatrix entries against the same tokens and states, recomputed in f64
+        // the block's own embedding where it has one (the trunk's otherwise)
+        let token_embd = if own_head { w("nextn.embed_tokens.weight") } else { gguf_f32(&model_path, "token_embd.weight").0 };
+        let (enorm, hnorm, eh, attn_norm) = (w("nextn.enorm.weight"), hw.clone(), w("nextn.eh_proj.weight"), w("attn_norm.weight"));
+        let (mut cat_sq, mut attn_sq, mut sh_sq) = (vec![0f64; 2 * n_embd], vec![0f64; n_embd], vec![0f64; n_sh]);
+        for r in 0..rows {
+            let e: Vec<f64> = token_embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd].iter().map(|&v| v as f64).collect();
+            let h: Vec<f64> = fed_h[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
+            // eh_proj reads [enorm(embedding); hnorm(state)], attention its result normed
+            let cat: Vec<f64> = norm(&e, &enorm).into_iter().chain(norm(&h, &hnorm)).collect();
+            let y: Vec<f64> = (0..n_embd).map(|o| dot_row(&eh, 2 * n_embd, n_embd, 0, o, &cat)).collect();
+            for (a, v) in cat_sq.iter_mut().zip(&cat).chain(attn_sq.iter_mut().zip(&norm(&y, &attn_norm))) {
+                *a += v * v;
+            }
+            let x: Vec<f64> = cap.x[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
+            for (i, a) in sh_sq.iter_mut().enumerate() {
+                *a += act(sh_gate.as_ref().map(|g| dot_row(g, n_embd, n_sh, 0, i, &x)), dot_row(&sh_up, n_embd, n_sh, 0, i, &x)).powi(2);
+            }
         }
-        let x: Vec<f64> = cap.x[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
-        for (i, a) in sh_sq.iter_mut().enumerate() {
-            *a += act(sh_gate.as_ref().map(|g| dot_row(g, n_embd, n_sh, 0, i, &x)), dot_row(&sh_up, n_embd, n_sh, 0, i, &x)).powi(2);
+        let routed: Vec<i64> = count.iter().map(|&c| c as i64).collect();
+        let all = vec![rows as i64];
+        // the matmuls that read attn_norm's result: q, k and v (glm4moe); MLA's two down-projections
+        // (deepseek2: the rest of its attention reads latents); step35's head-wise gate besides
+        let attn: &[&str] = if ds {
+            &["attn_q_a", "attn_kv_a_mqa"]
+        } else if step35 {
+            &["attn_q", "attn_k", "attn_v", "attn_gate"]
+        } else {
+            &["attn_q", "attn_k", "attn_v"]
+        };
+        let mut want: Vec<(&str, &[f64], &[i64])> = vec![
+            ("ffn_gate_inp", &x_sq, &all),
+            // qwen35moe's shared-expert gate reads the router's input too
+            ("ffn_gate_inp_shexp", &x_sq, &all),
+            ("ffn_gate_shexp", &x_sq, &all),
+            ("ffn_up_shexp", &x_sq, &all),
+            ("ffn_down_shexp", &sh_sq, &all),
+            ("ffn_gate_exps", &x_sq_e, &routed),
+            ("ffn_up_exps", &x_sq_e, &routed),
+            ("ffn_down_exps", &h_sq_e, &routed),
+            ("nextn.eh_proj", &cat_sq, &all),
+        ];
+        want.extend(attn.iter().map(|&a| (a, &attn_sq[..], &all[..])));
+        if own_head {
+            want.push(("nextn.shared_head_head", &head_sq, &all));
         }
-    }
-    let routed: Vec<i64> = count.iter().map(|&c| c as i64).collect();
-    let all = vec![rows as i64];
-    // the matmuls that read attn_norm's result: q, k and v (glm4moe); MLA's two down-projections
-    // (deepseek2: the rest of its attention reads latents)
-    let attn: &[&str] = if ds { &["attn_q_a", "attn_kv_a_mqa"] } else { &["attn_q", "attn_k", "attn_v"] };
-    let mut want: Vec<(&str, &[f64], &[i64])> = vec![
-        ("ffn_gate_inp", &x_sq, &all),
-        // qwen35moe's shared-expert gate reads the router's input too
-        ("ffn_gate_inp_shexp", &x_sq, &all),
-        ("ffn_gate_shexp", &x_sq, &all),
-        ("ffn_up_shexp", &x_sq, &all),
-        ("ffn_down_shexp", &sh_sq, &all),
-        ("ffn_gate_exps", &x_sq_e, &routed),
-        ("ffn_up_exps", &x_sq_e, &routed),
-        ("ffn_down_exps", &h_sq_e, &routed),
-        ("nextn.eh_proj", &cat_sq, &all),
-    ];
-    want.extend(attn.iter().map(|&a| (a, &attn_sq[..], &all[..])));
-    if own_head {
-        want.push(("nextn.shared_head_head", &head_sq, &all));
-    }
-    if !q35 {
-        want.retain(|w| w.0 != "ffn_gate_inp_shexp");
-    }
-    if nemotron {
-        want.retain(|w| !w.0.starts_with("ffn_gate_") || w.0 == "ffn_gate_inp");
-    }
-    for (weight, sums, counts) in want {
-        let name = format!("blk.{block}.{weight}.weight");
-        let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
-        assert_eq!(got.counts, counts, "{name}: counts");
-        assert_eq!(got.sums.len(), sums.len(), "{name}: columns");
-        let scale = sums.iter().sum::<f64>() / sums.len() as f64;
-        for (j, (&a, &b)) in got.sums.iter().zip(sums).enumerate() {
-            assert!((a as f64 - b).abs() <= 1e-4 * b.abs() + 1e-6 * scale, "{name} column {j}: Σx² {a}, independent {b}");
+        if !q35 {
+            want.retain(|w| w.0 != "ffn_gate_inp_shexp");
         }
+        if nemotron {
+            want.retain(|w| !w.0.starts_with("ffn_gate_") || w.0 == "ffn_gate_inp");
+        }
+        for (weight, sums, counts) in want {
+            let name = format!("blk.{block}.{weight}.weight");
+            let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
+            assert_eq!(got.counts, counts, "{name}: counts");
+            assert_eq!(got.sums.len(), sums.len(), "{name}: columns");
+            let scale = sums.iter().sum::<f64>() / sums.len() as f64;
+            for (j, (&a, &b)) in got.sums.iter().zip(sums).enumerate() {
+                assert!((a as f64 - b).abs() <= 1e-4 * b.abs() + 1e-6 * scale, "{name} column {j}: Σx² {a}, independent {b}");
+            }
+        }
+        // and attn_output, whose input is the attention's result (deepseek2 also attn_q_b, attn_k_b,
+        // attn_v_b, reading latents; step35 also attn_gate): one count per token fed
+        let of_block = entries.keys().filter(|n| n.starts_with(&format!("blk.{block}."))).count();
+        let n_entries = if ds { 14 } else if q35 || step35 { 13 } else if nemotron { 10 } else { 12 };
+        assert_eq!(of_block, own_head as usize + n_entries, "{:?}", entries.keys().collect::<Vec<_>>());
+        assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
     }
-    // and attn_output, whose input is the attention's result (deepseek2 also attn_q_b, attn_k_b,
-    // attn_v_b, reading latents): one count per token fed
-    assert_eq!(entries.len(), own_head as usize + if ds { 14 } else if q35 { 13 } else if nemotron { 10 } else { 12 }, "{:?}", entries.keys().collect::<Vec<_>>());
-    assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
 
     // check: every invariant, the trunk and the block against the imatrix, the trunk against the trace
     let c = run(Command::new(ours()).current_dir(d.join("nextn")).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
     let text = String::from_utf8_lossy(&c.stdout);
     assert!(c.status.success(), "{text}");
-    assert!(text.contains(&format!("layer {n_layer}: a nextn/MTP block")), "{text}");
-    assert!(text.contains(&format!("[ok] layer {n_layer}: count equals the imatrix counts of blk.{n_layer}.ffn_down_exps.weight")), "{text}");
+    for b in &blocks {
+        assert!(text.contains(&format!("layer {b}: a nextn/MTP block")), "{text}");
+        assert!(text.contains(&format!("[ok] layer {b}: count equals the imatrix counts of blk.{b}.ffn_down_exps.weight")), "{text}");
+    }
     // and the per-domain parts, the block's among them, add up to the whole
     let c = run(Command::new(ours()).current_dir(d.join("domains")).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
     let text = String::from_utf8_lossy(&c.stdout);
@@ -477,6 +523,8 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("qwen3next");
     nextn_path("nemotron_h_moe");
     nextn_path("cohere2moe");
+    // three blocks, each with its own map entry, pruned and calibrated again
+    nextn_path("step35");
 }
 
 fn nextn_path(arch: &str) {
@@ -485,7 +533,9 @@ fn nextn_path(arch: &str) {
     let out = calibrate(&d, &model, &[&["-c", "128", "-b", "128", "--chunks", "4", "--trace-out", "t.bin", "--nextn"][..], cpu_flags(arch)].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let s = Saliency::read(&d.join("i.reap.json")).unwrap();
-    assert_eq!(s.nextn_blocks, vec![4]);
+    // after the fixture's four trunk blocks: one nextn block, step35's three
+    let nextn: Vec<u32> = if arch == "step35" { vec![4, 5, 6] } else { vec![4] };
+    assert_eq!(s.nextn_blocks, nextn);
     run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "i.reap.json", "--method", "reap_mean", "--k", "24", "--out-dir", "maps"]));
     let map = d.join("maps/keep_reap_mean_k24.json");
     let m: serde_json::Value = serde_json::from_slice(&read(&map)).unwrap();
@@ -494,13 +544,15 @@ fn nextn_path(arch: &str) {
     let want = match arch {
         a if a.starts_with("qwen3") => vec![0, 1, 2, 3, 4],
         "nemotron_h_moe" => vec![1, 3, 4],
+        "step35" => vec![1, 2, 3, 4, 5, 6],
         _ => vec![1, 2, 3, 4],
     };
     assert_eq!(blocks, want);
-    // the block's dead experts are not kept while live ones are left out
-    let nx = s.layers.last().unwrap();
-    let kept: Vec<u64> = m["layers"][blocks.len() - 1]["keep"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap()).collect();
-    assert!(kept.iter().all(|&e| nx.count[e as usize] > 0) || nx.count.iter().filter(|&&c| c > 0).count() < 24, "{kept:?} {:?}", nx.count);
+    // a block's dead experts are not kept while live ones are left out
+    for (i, nx) in s.layers[s.layers.len() - nextn.len()..].iter().enumerate() {
+        let kept: Vec<u64> = m["layers"][blocks.len() - nextn.len() + i]["keep"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap()).collect();
+        assert!(kept.iter().all(|&e| nx.count[e as usize] > 0) || nx.count.iter().filter(|&&c| c > 0).count() < 24, "block {}: {kept:?} {:?}", nx.layer, nx.count);
+    }
 
     let pruned = d.join("p.gguf");
     run_ok(Command::new(ours()).current_dir(&d).args(["prune", "-m"]).arg(&model).arg("--keep-map").arg(&map).arg("-o").arg(&pruned));
@@ -510,14 +562,14 @@ fn nextn_path(arch: &str) {
     let out = calibrate(&again, &pruned, &[&["-c", "128", "-b", "128", "--chunks", "2", "--nextn"][..], cpu_flags(arch)].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let p = Saliency::read(&again.join("i.reap.json")).unwrap();
-    assert_eq!((p.nextn_blocks.clone(), p.layers.last().unwrap().n_expert), (vec![4], 24));
+    assert_eq!((p.nextn_blocks.clone(), p.layers.last().unwrap().n_expert), (nextn.clone(), 24));
     let c = run(Command::new(ours()).current_dir(&again).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf"]));
     assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stdout));
 
     let r = run(Command::new(ours()).current_dir(&d).args(["replay", "--trace", "t.bin", "--policy", "lru", "--capacity", "16", "--keep-map"]).arg(&map));
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(r.status.success(), "{err}");
-    assert!(err.contains("[4] come after the trace's last block 3"), "{err}");
+    assert!(err.contains(&format!("{nextn:?} come after the trace's last block 3")), "{err}");
 }
 
 /// What the block's imatrix entries are for: a very-low-bit type (IQ2_XXS) needs an entry for
@@ -609,7 +661,7 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe"] {
+    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35"] {
         offloaded(&server, arch, &["--arch", arch]);
     }
     // a block with its own LM head, fed every token as an output: its entry comes off-host too
@@ -639,11 +691,15 @@ fn offloaded(server: &RpcServer, key: &str, fixture_args: &[&str]) {
     if let Some(h) = head {
         assert_eq!(h.counts, vec![512], "{key}: the own head counts every token");
     }
-    let (a, b) = (cpu_s.layers.last().unwrap(), off_s.layers.last().unwrap());
-    assert_eq!((a.layer, &a.count, a.tokens), (b.layer, &b.count, b.tokens));
-    for (x, y) in a.reap_l2_sum.iter().zip(&b.reap_l2_sum).chain(a.ean_sum.iter().zip(&b.ean_sum)) {
-        assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-9), "the block's sums: {x} on the CPU, {y} off-host");
+    assert_eq!((cpu_s.nextn_blocks.len(), &cpu_s.nextn_blocks), (if key == "step35" { 3 } else { 1 }, &off_s.nextn_blocks));
+    let n = cpu_s.layers.len() - cpu_s.nextn_blocks.len();
+    for (a, b) in cpu_s.layers[n..].iter().zip(&off_s.layers[n..]) {
+        assert_eq!((a.layer, &a.count, a.tokens), (b.layer, &b.count, b.tokens));
+        for (x, y) in a.reap_l2_sum.iter().zip(&b.reap_l2_sum).chain(a.ean_sum.iter().zip(&b.ean_sum)) {
+            assert!((x - y).abs() <= 1e-5 * x.abs().max(1e-9), "block {}'s sums: {x} on the CPU, {y} off-host", a.layer);
+        }
     }
+    let b = off_s.layers.last().unwrap();
     let (dev, _) = go("on-device", &[&rpc[..], &["--imatrix-on-device"]].concat());
     same_entries_to_rounding(&cpu, &dev, "exact, --imatrix-on-device");
     // with --domains (split at byte 1000, inside the first chunk): the same whole-run sums,
