@@ -194,6 +194,25 @@ fn step35_is_byte_identical() {
     }
 }
 
+/// mimo2 (MiMo-V2-Flash's layout): sliding blocks with an attention sink per head and twice the
+/// global blocks' key/value heads, values half as wide as keys and scaled, half of each head
+/// rotated with the sliding blocks' own base, a dense block 0, sigmoid routing with the router
+/// bias, renormalised; one sequence per batch and two.
+#[test]
+fn mimo2_is_byte_identical() {
+    for (key, c, b) in [("mimo2-c256", "256", "256"), ("mimo2-c128-b256", "128", "256")] {
+        let p = run_both(key, &fixture("mimo2"), "imatrix.gguf", &args(&["-c", c, "-b", b]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // block 0 dense, 1–3 MoE; the MTP blocks 4–6 never run
+        assert!(m.entries.contains_key("blk.0.ffn_down.weight") && m.entries.contains_key("blk.3.ffn_down_exps.weight"));
+        assert!(!m.entries.keys().any(|n| ["blk.4.", "blk.5.", "blk.6."].iter().any(|b| n.starts_with(b))), "{key}");
+        // attn_output reads 4 heads' values of 8 (half of the 16-wide keys)
+        assert_eq!(m.entries["blk.1.attn_output.weight"].sums.len(), 4 * 8);
+    }
+}
+
 /// nemotron_h_moe (Nemotron-3's layout): Mamba2 mixers (`ssm_in`, the causal convolution, the
 /// selective scan, the grouped gated norm, `ssm_out`), attention without rotary embedding, and
 /// MoE blocks whose experts have no gate (down·relu²(up·x)) beside a shared expert, routed by a

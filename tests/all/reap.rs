@@ -19,10 +19,10 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
-        // cohere2moe, step35: glm4moe's block 0 dense too
-        let glm_like = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35"].contains(&arch);
+        // cohere2moe, step35, mimo2: glm4moe's block 0 dense too
+        let glm_like = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "mimo2"].contains(&arch);
         let nemotron = arch == "nemotron_h_moe";
         let sigmoid = glm_like || arch == "minimax-m2" || nemotron;
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
@@ -303,6 +303,9 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // step35: glm4moe's routing scaled by 3, and block 1's SwiGLU clamped (the up projection
     // to ±limit, silu(gate) to at most limit)
     independent_computation("step35", false);
+    // mimo2: minimax-m2's routing (sigmoid, the router bias, renormalised unconditionally),
+    // after attention with sinks and narrower values
+    independent_computation("mimo2", true);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -316,7 +319,7 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
 fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(usize, usize)>, fixture_flags: &[&str]) {
     let gpt_oss = arch == "gpt-oss";
     let nemotron = arch == "nemotron_h_moe";
-    let sigmoid = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35"].contains(&arch);
+    let sigmoid = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2"].contains(&arch);
     // DeepSeek-V3's (GLM-5's, Nemotron-3's) routed_scaling_factor, on the renormalised gates
     let scale = match arch {
         "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
