@@ -273,12 +273,14 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let b = validate::nextn_blocks(&model_path, &header)?;
         params.load_mtp = true;
         let own_head = b.iter().any(|b| header.tensors.contains_key(&format!("blk.{b}.nextn.shared_head_head.weight")));
-        Some((b, own_head))
+        // a block without a router is dense (MiMo-V2's): imatrix entries, no REAP sums
+        let moe: Vec<bool> = b.iter().map(|b| header.tensors.contains_key(&format!("blk.{b}.ffn_gate_inp.weight"))).collect();
+        Some((b, moe, own_head))
     } else {
         None
     };
     let model = Model::load(&model_path, &params)?;
-    if let Some((b, _)) = &nextn_blocks {
+    if let Some((b, _, _)) = &nextn_blocks {
         // the MTP graph runs block n_layer + offset (llama_model_n_layer: the trunk's count):
         // the blocks with tensors must be those
         let want: Vec<u32> = (0..model.n_layer_nextn().max(0) as u32).map(|i| model.n_layer() as u32 + i).collect();
@@ -329,7 +331,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     }
     observer.capture_hidden = nextn_blocks.is_some();
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
-    let mut nextn = nextn_blocks.map(|(b, own_head)| nextn::NextnPass::new(&model, &ctx_params, b, own_head, ctx.observer())).transpose()?;
+    let mut nextn = nextn_blocks.map(|(b, moe, own_head)| nextn::NextnPass::new(&model, &ctx_params, b, moe, own_head, ctx.observer())).transpose()?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
     }

@@ -13,7 +13,8 @@
 //! (`llama_set_nextn_layer_offset`), the same tokens and trunk states decoded again; each block
 //! keeps its own layer of the cache. So every block reads t_p and h_{p−1} (the trunk's), not
 //! the previous block's output: that is what the drafter's cache holds when it drafts, though
-//! its draft steps feed head k the state head k−1 produced. None is an output (the drafter's
+//! its draft steps feed head k the state head k−1 produced. A block without a router
+//! (MiMo-V2's three are dense) gets imatrix entries and no REAP sums. None is an output (the drafter's
 //! head is not computed) unless the block has its own LM head (`nextn.shared_head_head`, as GLM-4.5's files carry),
 //! whose imatrix entry needs the head's input, or the arch's graph needs outputs (see
 //! [`FFN_ON_OUTPUTS_ONLY`]).
@@ -42,6 +43,8 @@ pub struct NextnPass<'m> {
     blocks: Vec<u32>,
     /// per block, `blk.N.`: the names of its imatrix entries begin so
     prefixes: Vec<String>,
+    /// per block: it has a router (a dense block, as MiMo-V2's, gets imatrix entries alone)
+    moe: Vec<bool>,
     /// per sequence: the trunk's hidden state of the last token fed so far
     pending: Vec<Vec<f32>>,
     /// every token an output: see [`FFN_ON_OUTPUTS_ONLY`] and [`NextnPass::new`]
@@ -67,7 +70,7 @@ impl<'m> NextnPass<'m> {
     /// token (n_embd × n_vocab multiply-adds); a block that reads the trunk's `output` keeps
     /// computing no head (its entry would mix with the trunk's, and upstream collects
     /// `output.weight` only with `--process-output`).
-    pub fn new(model: &'m Model, trunk: &ContextParams, blocks: Vec<u32>, own_head: bool, main: &CalibrationObserver) -> Result<Self> {
+    pub fn new(model: &'m Model, trunk: &ContextParams, blocks: Vec<u32>, moe: Vec<bool>, own_head: bool, main: &CalibrationObserver) -> Result<Self> {
         let prefixes: Vec<String> = blocks.iter().map(|b| format!("blk.{b}.")).collect();
         let mut state = Imatrix::default();
         state.stats.extend(main.imatrix.state.stats.iter().filter(|(n, _)| prefixes.iter().any(|p| n.starts_with(p))).map(|(n, s)| (n.clone(), s.clone())));
@@ -96,7 +99,7 @@ impl<'m> NextnPass<'m> {
         let batch = ctx.batch();
         let n_embd = model.n_embd() as usize;
         let all_outputs = own_head || model.meta_str("general.architecture").is_some_and(|a| FFN_ON_OUTPUTS_ONLY.contains(&a.as_str()));
-        Ok(NextnPass { ctx, batch, n_embd, blocks, prefixes, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize], all_outputs })
+        Ok(NextnPass { ctx, batch, n_embd, blocks, prefixes, moe, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize], all_outputs })
     }
 
     /// A new batch of chunks: the MTP cache cleared, every sequence at the drafter's start.
@@ -162,8 +165,14 @@ impl<'m> NextnPass<'m> {
                 self.prefixes.iter().map(|p| format!("{p}*")).collect::<Vec<_>>().join(", ")
             );
         }
+        let n_moe = self.moe.iter().filter(|&&m| m).count();
         let sums = match &obs.reap {
-            Some(r) if r.sums.layers.is_empty() => bail!("--nextn: the MTP graph has no MoE layer the collector recognised (chunk {})", main.chunk),
+            Some(r) if r.sums.layers.len() != n_moe => bail!(
+                "--nextn: the MTP graphs have {} MoE layers the collector recognised, but {n_moe} of the nextn blocks {:?} have a router (chunk {})",
+                r.sums.layers.len(),
+                self.blocks,
+                main.chunk
+            ),
             Some(r) => Some((&r.sums.layers, r.sums.domains.as_ref().map(|d| d.complete(&r.sums.layers)))),
             None => None,
         };
@@ -199,10 +208,11 @@ impl<'m> NextnPass<'m> {
                 r.sums.domains = Some(DomainSplit::new(d.names.clone()));
             }
         }
-        // every token fed must reach the block's router (an MTP graph that keeps only some
-        // rows, as qwen3next's keeps its outputs, would otherwise give the block no statistics;
-        // a graph that ran another block than this offset's would give it none)
-        let router = format!("{}ffn_gate_inp.weight", self.prefixes[head]);
+        // every token fed must reach the block's router, or a dense block's down projection
+        // (an MTP graph that keeps only some rows, as qwen3next's keeps its outputs, would
+        // otherwise give the block no statistics; a graph that ran another block than this
+        // offset's would give it none)
+        let router = format!("{}{}.weight", self.prefixes[head], if self.moe[head] { "ffn_gate_inp" } else { "ffn_down" });
         let routed = |o: &CalibrationObserver| o.imatrix.state.stats.get(&router).map_or(0, |s| s.counts.iter().sum::<i64>());
         let before = routed(self.ctx.observer());
         let done = self.ctx.decode_or_stop(&mut self.batch);
@@ -226,7 +236,7 @@ impl<'m> NextnPass<'m> {
         }
         let got = routed(obs) - before;
         if got != n_fed as i64 {
-            bail!("--nextn: the MTP graph's router {router} saw {got} of the {n_fed} tokens fed (chunk {}): the block's statistics would leave tokens out", main.chunk);
+            bail!("--nextn: the MTP graph's {router} saw {got} of the {n_fed} tokens fed (chunk {}): the block's statistics would leave tokens out", main.chunk);
         }
         Ok(())
     }

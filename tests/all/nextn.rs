@@ -122,6 +122,9 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // Step-3.5-Flash: three MTP blocks (one global, two sliding), each fed every batch in turn
     // through the graph's block offset; gated attention, gates scaled by 3
     independent("step35", false);
+    // MiMo-V2-Flash: three dense MTP blocks (q, k, v in one attn_qkv), each fed in turn; the
+    // imatrix entries alone, every token through each block's FFN
+    independent("mimo2", false);
 }
 
 /// A block with its own token embedding and LM head (`nextn.embed_tokens`,
@@ -152,7 +155,11 @@ fn independent(arch: &str, own_head: bool) {
     // step35: three nextn blocks, each fed every batch (the cache's positions of the batch
     // dropped, the graph's block offset set, as upstream's drafter chains them)
     let step35 = arch == "step35";
-    let n_nextn = if step35 { reap_imatrix::fixture::STEP35_NEXTN_BLOCKS as usize } else { 1 };
+    // mimo2: three dense nextn blocks (no router: imatrix entries, no REAP sums), chained so
+    let dense = arch == "mimo2";
+    let n_nextn = if step35 { reap_imatrix::fixture::STEP35_NEXTN_BLOCKS as usize } else if dense { reap_imatrix::fixture::MIMO2_NEXTN_BLOCKS as usize } else { 1 };
+    // where every token fed must arrive: the block's router, a dense block's down projection
+    let witness = if dense { "ffn_down" } else { "ffn_gate_inp" };
     // the residual the FFN's output adds to (the parts the graph names)
     let residual_parts: &[&str] = if cohere { &["mtp_eh_proj", "mtp_attn_out"] } else { &["mtp_ffn_inp", "mtp_attn_residual"] };
     // the fixtures' norms: RMSNorm (ε 1e-6), cohere2moe's LayerNorm without bias (ε 1e-5)
@@ -211,14 +218,16 @@ fn independent(arch: &str, own_head: bool) {
     assert!(!d.join("no-reap/i.reap.json").exists());
     let at1 = block_entries("plain/i.gguf.at_1", "nextn/i.gguf.at_1");
     for b in &blocks {
-        assert_eq!(at1[&format!("blk.{b}.ffn_gate_inp.weight")].counts, vec![n_ctx as i64], "the first chunk's checkpoint holds block {b}'s whole chunk");
+        assert_eq!(at1[&format!("blk.{b}.{witness}.weight")].counts, vec![n_ctx as i64], "the first chunk's checkpoint holds block {b}'s whole chunk");
     }
     let entries = block_entries("plain/i.gguf", "nextn/i.gguf");
     let a = Saliency::read(&d.join("plain/i.reap.json")).unwrap();
     let s = Saliency::read(&d.join("nextn/i.reap.json")).unwrap();
-    assert_eq!(s.nextn_blocks, block_ids);
+    // the JSON lists the blocks with REAP sums: a dense block has none
+    let moe_ids: Vec<u32> = if dense { Vec::new() } else { block_ids.clone() };
+    assert_eq!(s.nextn_blocks, moe_ids);
     assert_eq!(s.trunk(), &a.layers[..]);
-    assert_eq!(s.layers.len(), a.layers.len() + n_nextn);
+    assert_eq!(s.layers.len(), a.layers.len() + moe_ids.len());
     let (n_expert, k) = (s.layers.last().unwrap().n_expert, s.layers.last().unwrap().n_expert_used);
 
     // --domains: two domains split inside chunk 1 (token `split` starts domain b)
@@ -237,7 +246,7 @@ fn independent(arch: &str, own_head: bool) {
     let sd = Saliency::read(&d.join("domains/i.reap.json")).unwrap();
     // the whole run's sums are the run's without --domains, the block's among them
     assert_eq!(sd.layers, s.layers);
-    assert_eq!(sd.nextn_blocks, block_ids);
+    assert_eq!(sd.nextn_blocks, moe_ids);
     assert_same_bytes(&d.join("nextn/i.gguf"), &d.join("domains/i.gguf"));
     let names: Vec<&str> = sd.domains.iter().map(|x| x.name.as_str()).collect();
     assert_eq!(names, ["a", "b"]);
@@ -251,7 +260,8 @@ fn independent(arch: &str, own_head: bool) {
         blocks: blocks
             .iter()
             .map(|block| BlockInputs {
-                router: format!("blk.{block}.ffn_gate_inp.weight"),
+                // the FFN's input: what the router reads, or a dense block's up projection
+                router: format!("blk.{block}.{}.weight", if dense { "ffn_up" } else { "ffn_gate_inp" }),
                 hnorm: format!("mtp_hnorm-{block}"),
                 residual: residual_parts.iter().map(|n| format!("{n}-{block}")).collect(),
                 x: Vec::new(),
@@ -302,8 +312,6 @@ fn independent(arch: &str, own_head: bool) {
     let rows = n_ctx * n_chunk;
     for (bi, &block) in blocks.iter().enumerate() {
         let cap = &caps.blocks[bi];
-        let lay = &s.layers[a.layers.len() + bi];
-        assert_eq!((lay.layer, lay.tokens), (block as u32, rows as u64));
         let residual = cap.residual();
         assert_eq!((cap.x.len(), cap.h.len(), residual.len(), cap.res.len()), (rows * n_embd, rows * n_embd, rows * n_embd, if cohere { 2 } else { 1 }), "the residual's parts: {:?}", cap.res.iter().map(|r| &r.0).collect::<Vec<_>>());
         // what the graph normed is the state this test fed: the norm × nextn.hnorm, zeros at each chunk's start
@@ -321,9 +329,66 @@ fn independent(arch: &str, own_head: bool) {
             }
         }
 
+        let w = |t: &str| gguf_f32(&model_path, &format!("blk.{block}.{t}")).0;
+        let all = vec![rows as i64];
+        // eh_proj's input and attention's (attn_norm's result), recomputed in f64 from the tokens
+        // and states fed: [enorm(embedding); hnorm(state)], and eh_proj's product normed; the
+        // block's own embedding where it has one (the trunk's otherwise)
+        let eh_and_attn_sq = || {
+            let token_embd = if own_head { w("nextn.embed_tokens.weight") } else { gguf_f32(&model_path, "token_embd.weight").0 };
+            let (enorm, eh, attn_norm) = (w("nextn.enorm.weight"), w("nextn.eh_proj.weight"), w("attn_norm.weight"));
+            let (mut cat_sq, mut attn_sq) = (vec![0f64; 2 * n_embd], vec![0f64; n_embd]);
+            for r in 0..rows {
+                let e: Vec<f64> = token_embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd].iter().map(|&v| v as f64).collect();
+                let h: Vec<f64> = fed_h[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
+                let cat: Vec<f64> = norm(&e, &enorm).into_iter().chain(norm(&h, &hw)).collect();
+                let y: Vec<f64> = (0..n_embd).map(|o| dot_row(&eh, 2 * n_embd, n_embd, 0, o, &cat)).collect();
+                for (a, v) in cat_sq.iter_mut().zip(&cat).chain(attn_sq.iter_mut().zip(&norm(&y, &attn_norm))) {
+                    *a += v * v;
+                }
+            }
+            (cat_sq, attn_sq)
+        };
+        let check_entries = |want: &[(&str, &[f64], &[i64])]| {
+            for &(weight, sums, counts) in want {
+                let name = format!("blk.{block}.{weight}.weight");
+                let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
+                assert_eq!(got.counts, counts, "{name}: counts");
+                assert_eq!(got.sums.len(), sums.len(), "{name}: columns");
+                let scale = sums.iter().sum::<f64>() / sums.len() as f64;
+                for (j, (&a, &b)) in got.sums.iter().zip(sums).enumerate() {
+                    assert!((a as f64 - b).abs() <= 1e-4 * b.abs() + 1e-6 * scale, "{name} column {j}: Σx² {a}, independent {b}");
+                }
+            }
+            entries.keys().filter(|n| n.starts_with(&format!("blk.{block}."))).count()
+        };
+        if dense {
+            // a dense block: its FFN reads the captured input x (gate, up) and down
+            // silu(gate·x)·(up·x); attention reads attn_norm's result through one attn_qkv
+            let (gate, up) = (w("ffn_gate.weight"), w("ffn_up.weight"));
+            let n_ff = up.len() / n_embd;
+            let (mut x_sq, mut h_sq) = (vec![0f64; n_embd], vec![0f64; n_ff]);
+            for r in 0..rows {
+                let x: Vec<f64> = cap.x[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
+                for (a, v) in x_sq.iter_mut().zip(&x) {
+                    *a += v * v;
+                }
+                for (i, a) in h_sq.iter_mut().enumerate() {
+                    let g = dot_row(&gate, n_embd, n_ff, 0, i, &x);
+                    *a += (g / (1.0 + (-g).exp()) * dot_row(&up, n_embd, n_ff, 0, i, &x)).powi(2);
+                }
+            }
+            let (cat_sq, attn_sq) = eh_and_attn_sq();
+            let want: [(&str, &[f64], &[i64]); 5] = [("ffn_gate", &x_sq, &all), ("ffn_up", &x_sq, &all), ("ffn_down", &h_sq, &all), ("nextn.eh_proj", &cat_sq, &all), ("attn_qkv", &attn_sq, &all)];
+            // and attn_output, one count per token fed
+            assert_eq!(check_entries(&want), 6, "{:?}", entries.keys().collect::<Vec<_>>());
+            assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
+            continue;
+        }
+        let lay = &s.layers[a.layers.len() + bi];
+        assert_eq!((lay.layer, lay.tokens), (block as u32, rows as u64));
         // REAP of the block from its router input and weights, in f64 (sigmoid, choice by p + bias,
         // gates renormalised over the picks; qwen35moe: softmax, choice by p, renormalised)
-        let w = |t: &str| gguf_f32(&model_path, &format!("blk.{block}.{t}")).0;
         // nemotron_h_moe's experts and shared expert have no gate: down·relu²(up·x)
         let (router, gate, up, down) = (w("ffn_gate_inp.weight"), (!nemotron).then(|| w("ffn_gate_exps.weight")), w("ffn_up_exps.weight"), w("ffn_down_exps.weight"));
         let act = |g: Option<f64>, u: f64| match g {
@@ -425,26 +490,15 @@ fn independent(arch: &str, own_head: bool) {
         assert!(by_dom.iter().all(|x| x.0.iter().sum::<u64>() > 0), "both domains route tokens through the block");
 
         // the block's imatrix entries against the same tokens and states, recomputed in f64
-        // the block's own embedding where it has one (the trunk's otherwise)
-        let token_embd = if own_head { w("nextn.embed_tokens.weight") } else { gguf_f32(&model_path, "token_embd.weight").0 };
-        let (enorm, hnorm, eh, attn_norm) = (w("nextn.enorm.weight"), hw.clone(), w("nextn.eh_proj.weight"), w("attn_norm.weight"));
-        let (mut cat_sq, mut attn_sq, mut sh_sq) = (vec![0f64; 2 * n_embd], vec![0f64; n_embd], vec![0f64; n_sh]);
+        let (cat_sq, attn_sq) = eh_and_attn_sq();
+        let mut sh_sq = vec![0f64; n_sh];
         for r in 0..rows {
-            let e: Vec<f64> = token_embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd].iter().map(|&v| v as f64).collect();
-            let h: Vec<f64> = fed_h[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
-            // eh_proj reads [enorm(embedding); hnorm(state)], attention its result normed
-            let cat: Vec<f64> = norm(&e, &enorm).into_iter().chain(norm(&h, &hnorm)).collect();
-            let y: Vec<f64> = (0..n_embd).map(|o| dot_row(&eh, 2 * n_embd, n_embd, 0, o, &cat)).collect();
-            for (a, v) in cat_sq.iter_mut().zip(&cat).chain(attn_sq.iter_mut().zip(&norm(&y, &attn_norm))) {
-                *a += v * v;
-            }
             let x: Vec<f64> = cap.x[r * n_embd..(r + 1) * n_embd].iter().map(|&v| v as f64).collect();
             for (i, a) in sh_sq.iter_mut().enumerate() {
                 *a += act(sh_gate.as_ref().map(|g| dot_row(g, n_embd, n_sh, 0, i, &x)), dot_row(&sh_up, n_embd, n_sh, 0, i, &x)).powi(2);
             }
         }
         let routed: Vec<i64> = count.iter().map(|&c| c as i64).collect();
-        let all = vec![rows as i64];
         // the matmuls that read attn_norm's result: q, k and v (glm4moe); MLA's two down-projections
         // (deepseek2: the rest of its attention reads latents); step35's head-wise gate besides
         let attn: &[&str] = if ds {
@@ -476,19 +530,9 @@ fn independent(arch: &str, own_head: bool) {
         if nemotron {
             want.retain(|w| !w.0.starts_with("ffn_gate_") || w.0 == "ffn_gate_inp");
         }
-        for (weight, sums, counts) in want {
-            let name = format!("blk.{block}.{weight}.weight");
-            let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
-            assert_eq!(got.counts, counts, "{name}: counts");
-            assert_eq!(got.sums.len(), sums.len(), "{name}: columns");
-            let scale = sums.iter().sum::<f64>() / sums.len() as f64;
-            for (j, (&a, &b)) in got.sums.iter().zip(sums).enumerate() {
-                assert!((a as f64 - b).abs() <= 1e-4 * b.abs() + 1e-6 * scale, "{name} column {j}: Σx² {a}, independent {b}");
-            }
-        }
+        let of_block = check_entries(&want);
         // and attn_output, whose input is the attention's result (deepseek2 also attn_q_b, attn_k_b,
         // attn_v_b, reading latents; step35 also attn_gate): one count per token fed
-        let of_block = entries.keys().filter(|n| n.starts_with(&format!("blk.{block}."))).count();
         let n_entries = if ds { 14 } else if q35 || step35 { 13 } else if nemotron { 10 } else { 12 };
         assert_eq!(of_block, own_head as usize + n_entries, "{:?}", entries.keys().collect::<Vec<_>>());
         assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
@@ -498,7 +542,7 @@ fn independent(arch: &str, own_head: bool) {
     let c = run(Command::new(ours()).current_dir(d.join("nextn")).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
     let text = String::from_utf8_lossy(&c.stdout);
     assert!(c.status.success(), "{text}");
-    for b in &blocks {
+    for b in &moe_ids {
         assert!(text.contains(&format!("layer {b}: a nextn/MTP block")), "{text}");
         assert!(text.contains(&format!("[ok] layer {b}: count equals the imatrix counts of blk.{b}.ffn_down_exps.weight")), "{text}");
     }
@@ -525,6 +569,8 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("cohere2moe");
     // three blocks, each with its own map entry, pruned and calibrated again
     nextn_path("step35");
+    // three dense blocks: no map entry (nothing to prune), kept by prune, calibrated again
+    nextn_path("mimo2");
 }
 
 fn nextn_path(arch: &str) {
@@ -533,8 +579,13 @@ fn nextn_path(arch: &str) {
     let out = calibrate(&d, &model, &[&["-c", "128", "-b", "128", "--chunks", "4", "--trace-out", "t.bin", "--nextn"][..], cpu_flags(arch)].concat());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let s = Saliency::read(&d.join("i.reap.json")).unwrap();
-    // after the fixture's four trunk blocks: one nextn block, step35's three
-    let nextn: Vec<u32> = if arch == "step35" { vec![4, 5, 6] } else { vec![4] };
+    // after the fixture's four trunk blocks: one nextn block, step35's three; mimo2's three are
+    // dense, so no JSON layer lists them
+    let nextn: Vec<u32> = match arch {
+        "step35" => vec![4, 5, 6],
+        "mimo2" => Vec::new(),
+        _ => vec![4],
+    };
     assert_eq!(s.nextn_blocks, nextn);
     run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "i.reap.json", "--method", "reap_mean", "--k", "24", "--out-dir", "maps"]));
     let map = d.join("maps/keep_reap_mean_k24.json");
@@ -545,6 +596,7 @@ fn nextn_path(arch: &str) {
         a if a.starts_with("qwen3") => vec![0, 1, 2, 3, 4],
         "nemotron_h_moe" => vec![1, 3, 4],
         "step35" => vec![1, 2, 3, 4, 5, 6],
+        "mimo2" => vec![1, 2, 3],
         _ => vec![1, 2, 3, 4],
     };
     assert_eq!(blocks, want);
@@ -565,11 +617,22 @@ fn nextn_path(arch: &str) {
     assert_eq!((p.nextn_blocks.clone(), p.layers.last().unwrap().n_expert), (nextn.clone(), 24));
     let c = run(Command::new(ours()).current_dir(&again).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf"]));
     assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stdout));
+    if arch == "mimo2" {
+        // the dense blocks came through prune whole and have their entries again
+        let m = imatrix::load(&again.join("i.gguf")).unwrap();
+        for b in 4..7 {
+            assert_eq!(m.entries[&format!("blk.{b}.ffn_down.weight")].counts, vec![256], "block {b}");
+        }
+    }
 
     let r = run(Command::new(ours()).current_dir(&d).args(["replay", "--trace", "t.bin", "--policy", "lru", "--capacity", "16", "--keep-map"]).arg(&map));
     let err = String::from_utf8_lossy(&r.stderr);
     assert!(r.status.success(), "{err}");
-    assert!(err.contains(&format!("{nextn:?} come after the trace's last block 3")), "{err}");
+    if nextn.is_empty() {
+        assert!(!err.contains("come after the trace's last block"), "{err}");
+    } else {
+        assert!(err.contains(&format!("{nextn:?} come after the trace's last block 3")), "{err}");
+    }
 }
 
 /// What the block's imatrix entries are for: a very-low-bit type (IQ2_XXS) needs an entry for
@@ -649,6 +712,25 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
     let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "dsa.gguf", "--tensor-type", "blk\\.2\\.indexer\\.=q8_0"]).arg(&dsa).args(["dsa-iq2.gguf", "IQ2_XXS", "2"]));
     assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
     assert!(super::prune::upstream_ppl(&d.join("dsa-iq2.gguf")).is_finite());
+
+    // MiMo-V2 (mimo2): three dense MTP blocks, no router to prune; their entries (attn_qkv,
+    // the dense FFN) are what IQ2_XXS needs, in the model and in its pruned copy
+    let mimo = fixture_with("mimo2-256", &["--arch", "mimo2", "--layers", "2", "--n-embd", "256", "--expert-ffn", "256", "--shared-ffn", "256", "--heads", "8", "--head-dim", "64"]);
+    let plain = calibrate(&d, &mimo, &[&calib[..], &["-o", "mimo-plain.gguf", "--no-reap"]].concat());
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    let refused = quantize("mimo-plain.gguf", &mimo, "mimo-plain-iq2.gguf");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("Missing importance matrix for tensor blk.2."), "{err}");
+    let out = calibrate(&d, &mimo, &[&calib[..], &["--nextn", "-o", "mimo.gguf"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let q = quantize("mimo.gguf", &mimo, "mimo-iq2.gguf");
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    assert!(super::prune::upstream_ppl(&d.join("mimo-iq2.gguf")).is_finite());
+    run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "mimo.reap.json", "--method", "reap_mean", "--k", "16", "--out-dir", "mimo-maps"]));
+    run_ok(Command::new(ours()).current_dir(&d).args(["prune", "-m"]).arg(&mimo).args(["--keep-map", "mimo-maps/keep_reap_mean_k16.json", "-o", "mimo-p.gguf", "--imatrix", "mimo.gguf", "--imatrix-out", "mimo-p.imatrix.gguf"]));
+    let q = quantize("mimo-p.imatrix.gguf", &d.join("mimo-p.gguf"), "mimo-p-iq2.gguf");
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    assert!(super::prune::upstream_ppl(&d.join("mimo-p-iq2.gguf")).is_finite());
 }
 
 /// `--nextn` with the layers offloaded (`-ngl 99` to a local `ggml-rpc-server`, as on a GPU:
@@ -661,7 +743,7 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35"] {
+    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2"] {
         offloaded(&server, arch, &["--arch", arch]);
     }
     // a block with its own LM head, fed every token as an output: its entry comes off-host too
@@ -691,7 +773,13 @@ fn offloaded(server: &RpcServer, key: &str, fixture_args: &[&str]) {
     if let Some(h) = head {
         assert_eq!(h.counts, vec![512], "{key}: the own head counts every token");
     }
-    assert_eq!((cpu_s.nextn_blocks.len(), &cpu_s.nextn_blocks), (if key == "step35" { 3 } else { 1 }, &off_s.nextn_blocks));
+    // mimo2's dense blocks have entries, no sums
+    let with_sums = match key {
+        "step35" => 3,
+        "mimo2" => 0,
+        _ => 1,
+    };
+    assert_eq!((cpu_s.nextn_blocks.len(), &cpu_s.nextn_blocks), (with_sums, &off_s.nextn_blocks));
     let n = cpu_s.layers.len() - cpu_s.nextn_blocks.len();
     for (a, b) in cpu_s.layers[n..].iter().zip(&off_s.layers[n..]) {
         assert_eq!((a.layer, &a.count, a.tokens), (b.layer, &b.count, b.tokens));
