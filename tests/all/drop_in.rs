@@ -213,6 +213,22 @@ fn mimo2_is_byte_identical() {
     }
 }
 
+/// hy_v3 (Hy3's layout): per-head q/k norms, the whole head rotated, a dense block 0, sigmoid
+/// routing with the selection bias (`exp_probs_b`, no suffix), renormalised and scaled, a
+/// shared expert; one sequence per batch and two.
+#[test]
+fn hy_v3_is_byte_identical() {
+    for (key, c, b) in [("hy_v3-c256", "256", "256"), ("hy_v3-c128-b256", "128", "256")] {
+        let p = run_both(key, &fixture("hy_v3"), "imatrix.gguf", &args(&["-c", c, "-b", b]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // block 0 dense, 1–3 MoE with a shared expert; the MTP block 4 never runs
+        assert!(m.entries.contains_key("blk.0.ffn_down.weight") && m.entries.contains_key("blk.3.ffn_down_shexp.weight"));
+        assert!(!m.entries.keys().any(|n| n.starts_with("blk.4.")), "{key}");
+    }
+}
+
 /// nemotron_h_moe (Nemotron-3's layout): Mamba2 mixers (`ssm_in`, the causal convolution, the
 /// selective scan, the grouped gated norm, `ssm_out`), attention without rotary embedding, and
 /// MoE blocks whose experts have no gate (down·relu²(up·x)) beside a shared expert, routed by a

@@ -125,6 +125,10 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // MiMo-V2-Flash: three dense MTP blocks (q, k, v in one attn_qkv), each fed in turn; the
     // imatrix entries alone, every token through each block's FFN
     independent("mimo2", false);
+    // Hy3 (hy_v3): glm4moe's block without q/k/v biases, with per-head q/k norms, gates scaled
+    // by 2; its MTP graph norms the block's output before its head, and the trunk's state it
+    // reads is the output norm's result, as the others'
+    independent("hy_v3", false);
 }
 
 /// A block with its own token embedding and LM head (`nextn.embed_tokens`,
@@ -182,6 +186,7 @@ fn independent(arch: &str, own_head: bool) {
         "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
         "step35" => reap_imatrix::fixture::STEP35_WEIGHTS_SCALE as f64,
+        "hy_v3" => reap_imatrix::fixture::HY_V3_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };
     let blocks: Vec<usize> = (n_layer..n_layer + n_nextn).collect();
@@ -395,7 +400,8 @@ fn independent(arch: &str, own_head: bool) {
             Some(a) => a / (1.0 + (-a).exp()) * u,
             None => u.max(0.0).powi(2),
         };
-        let sel_b = if q35 || cohere { vec![0f32; n_expert] } else { w("exp_probs_b.bias") };
+        // hy_v3's loader names the selection bias without the `.bias` suffix
+        let sel_b = if q35 || cohere { vec![0f32; n_expert] } else if arch == "hy_v3" { w("exp_probs_b") } else { w("exp_probs_b.bias") };
         // cohere2moe: (routed + shared) / 2
         let avg = if cohere { 0.5 } else { 1.0 };
         let n_ff = gguf_f32(&model_path, &format!("blk.{block}.ffn_up_exps.weight")).1[1] as usize;
@@ -571,6 +577,8 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("step35");
     // three dense blocks: no map entry (nothing to prune), kept by prune, calibrated again
     nextn_path("mimo2");
+    // its selection bias without the `.bias` suffix, sliced by prune as any other's
+    nextn_path("hy_v3");
 }
 
 fn nextn_path(arch: &str) {
@@ -743,7 +751,7 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2"] {
+    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"] {
         offloaded(&server, arch, &["--arch", arch]);
     }
     // a block with its own LM head, fed every token as an output: its entry comes off-host too

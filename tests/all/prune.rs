@@ -247,24 +247,24 @@ fn experts_are_sliced_along_the_outermost_axis_even_when_sizes_coincide() {
 /// are the kept experts' columns of the original. Also on minimax-m2 (a selection bias to
 /// slice), nemotron_h_moe (MoE in blocks 1 and 3 only, experts without a gate), cohere2moe
 /// (block 0 dense, a shared expert beside the routed ones), step35 (three MTP blocks left out,
-/// its per-block arrays cut to the trunk) and mimo2 (block 0 and three MTP blocks dense, the
-/// MTP blocks left out with theirs).
+/// its per-block arrays cut to the trunk), mimo2 (block 0 and three MTP blocks dense, the
+/// MTP blocks left out with theirs) and hy_v3 (its selection bias `exp_probs_b` without a suffix).
 #[test]
 fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
-    for &arch in ARCHS.iter().chain(&["minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2"]) {
+    for &arch in ARCHS.iter().chain(&["minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"]) {
         let d = temp_dir(&format!("prune-quantize-{arch}"));
         calibrate(&d, &fixture(arch));
         let blocks: Vec<u32> = Saliency::read(&d.join("imatrix.reap.json")).unwrap().layers.iter().map(|l| l.layer).collect();
         let want: &[u32] = match arch {
             "nemotron_h_moe" => &[1, 3],
-            "cohere2moe" | "step35" | "mimo2" => &BLOCKS[1..],
+            "cohere2moe" | "step35" | "mimo2" | "hy_v3" => &BLOCKS[1..],
             _ => &BLOCKS,
         };
         assert_eq!(blocks, want, "{arch}");
         let keep: Vec<Vec<u16>> = blocks.iter().map(|&b| vec![0, 3, 4, 9, 17, 30 - b as u16]).collect();
         let map = write_map(&d.join("k6.json"), map_json_for(&keep, &blocks));
         // nemotron_h_moe's, cohere2moe's and step35's MTP blocks (never calibrated here) go
-        let drop: &[&str] = if ["nemotron_h_moe", "cohere2moe", "step35", "mimo2"].contains(&arch) { &["--drop-nextn"] } else { &[] };
+        let drop: &[&str] = if ["nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"].contains(&arch) { &["--drop-nextn"] } else { &[] };
         prune_ok(&fixture(arch), &map, &d.join("p.gguf"), &[&["--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"][..], drop].concat());
         let quantize = |im: &str, out: &str| {
             run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", im, "p.gguf", out, "Q4_0"]))
@@ -885,6 +885,9 @@ fn keep_map_rerouting_follows_the_pruned_model_under_a_selection_bias() {
     // Nemotron-3's: in its MoE blocks, after a Mamba2 mixer; its file names no gating function
     // (the graph's own sigmoid), so replay takes the router's kind from the run's --reap
     reroute_against_the_pruned_model("nemotron_h_moe", &["--arch", "nemotron_h_moe"], false, &[1, 3]);
+    // Hy3's: glm4moe's, its bias named exp_probs_b (no suffix), which prune slices and replay
+    // reads by that name
+    reroute_against_the_pruned_model("hy_v3", &["--arch", "hy_v3"], false, &[1, 2, 3]);
 }
 
 fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: bool, moe_blocks: &[u32]) {
@@ -1095,7 +1098,7 @@ fn keep_map_rerouting_follows_a_group_routed_pruned_model() {
 /// that imatrix.
 #[test]
 fn fused_gate_up_experts_calibrate_and_prune_as_the_unfused() {
-    for arch in ["qwen35moe", "deepseek2"] {
+    for arch in ["qwen35moe", "deepseek2", "hy_v3"] {
         let d = temp_dir(&format!("fused-{arch}"));
         let plain = fixture(arch);
         let fused = fixture_with(&format!("{arch}-fused"), &["--arch", arch, "--fuse-gate-up"]);

@@ -24,11 +24,12 @@ const NOT_PER_EXPERT: &[&str] = &["ffn_norm_exps"];
 /// expert, and is copied).
 pub const IMATRIX_PER_EXPERT: &[&str] = &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps"];
 
-/// `blk.N.<base>.<rest>` → (N, base, rest).
+/// `blk.N.<base>.<rest>` → (N, base, rest); `blk.N.<base>` → (N, base, ""): hy_v3's loader
+/// names its selection bias `blk.N.exp_probs_b`, without a suffix.
 fn split_block(name: &str) -> Option<(u32, &str, &str)> {
     let rest = name.strip_prefix("blk.")?;
     let (n, rest) = rest.split_once('.')?;
-    let (base, rest) = rest.split_once('.')?;
+    let (base, rest) = rest.split_once('.').unwrap_or((rest, ""));
     Some((n.parse().ok()?, base, rest))
 }
 
@@ -246,6 +247,9 @@ mod tests {
         assert_eq!(model_per_expert("blk.12.ffn_gate_inp.weight"), Ok(Some(12)));
         assert_eq!(model_per_expert("blk.12.ffn_gate_inp.bias"), Ok(Some(12)));
         assert_eq!(model_per_expert("blk.1.exp_probs_b.bias"), Ok(Some(1)));
+        // hy_v3's, without a suffix
+        assert_eq!(model_per_expert("blk.2.exp_probs_b"), Ok(Some(2)));
+        assert_eq!(model_per_expert("blk.2.ffn_norm"), Ok(None));
         // shared experts, their gate and layer-wide norms are not per expert
         assert_eq!(model_per_expert("blk.1.ffn_gate_inp_shexp.weight"), Ok(None));
         assert_eq!(model_per_expert("blk.1.ffn_down_shexp.weight"), Ok(None));

@@ -1,7 +1,8 @@
 //! What replay reads from the model GGUF: the bytes of one routed expert per layer, from the
 //! tensor infos (the byte size of `blk.L.ffn_{gate,up,down}_exps.weight`, or a fused
 //! `ffn_gate_up_exps`, divided by the expert count, in whatever type each tensor is stored),
-//! and the router's selection bias (`blk.L.exp_probs_b.bias`, n_expert f32), the only tensor
+//! and the router's selection bias (`blk.L.exp_probs_b.bias`, hy_v3's `blk.L.exp_probs_b`,
+//! n_expert f32), the only tensor
 //! data it reads.
 
 use crate::llama::sys;
@@ -41,15 +42,19 @@ pub fn selection_bias(model: &Path, layers: &[u32], n_expert: usize) -> Result<O
     let mut out = Vec::with_capacity(layers.len() * n_expert);
     let mut missing = None;
     for &l in layers {
-        let name = format!("blk.{l}.exp_probs_b.bias");
-        let cn = CString::new(name.clone()).unwrap();
-        // SAFETY: g is a live context; ids come from gguf_find_tensor; ne points at 4 i64.
+        // `.bias` as most loaders name it; hy_v3's loader without the suffix
+        let found = [format!("blk.{l}.exp_probs_b.bias"), format!("blk.{l}.exp_probs_b")].into_iter().find_map(|name| {
+            let cn = CString::new(name.clone()).unwrap();
+            // SAFETY: g is a live context.
+            let id = unsafe { sys::gguf_find_tensor(g.0, cn.as_ptr()) };
+            (id >= 0).then_some((name, id))
+        });
+        let Some((name, id)) = found else {
+            missing.get_or_insert(l);
+            continue;
+        };
+        // SAFETY: g is a live context; id comes from gguf_find_tensor; ne points at 4 i64.
         let (ne, ty, off) = unsafe {
-            let id = sys::gguf_find_tensor(g.0, cn.as_ptr());
-            if id < 0 {
-                missing.get_or_insert(l);
-                continue;
-            }
             let ne = std::slice::from_raw_parts(sys::gguf_get_tensor_ne(g.0, id), 4).to_vec();
             (ne, sys::gguf_get_tensor_type(g.0, id), sys::gguf_get_data_offset(g.0) + sys::gguf_get_tensor_offset(g.0, id))
         };
