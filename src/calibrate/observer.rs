@@ -180,11 +180,18 @@ fn is_ubatch_start(node: Node<'_>) -> bool {
     node.info().op == sys::GGML_OP_GET_ROWS && node.src(1).is_some_and(|s| s.name() == "inp_tokens")
 }
 
-/// The MTP graph's token-embedding lookup (`mtp_tok_embd-N`, a `GET_ROWS` of its unnamed token
-/// input): where the `--nextn` pass's observer starts a ubatch's rows. Not a place to stop
-/// at a signal (the trunk stops at its own next ubatch).
+/// The MTP graph's token-embedding lookup (a `GET_ROWS` of its unnamed token input, named
+/// `mtp_tok_embd-N` by most graphs; bailingmoe3's leaves it unnamed, so it is known by the
+/// table it reads: `token_embd` or the block's own `nextn.embed_tokens`): where the
+/// `--nextn` pass's observer starts a ubatch's rows. Not a place to stop at a signal (the trunk
+/// stops at its own next ubatch, whose lookup [is_ubatch_start] takes first).
 fn is_mtp_ubatch_start(node: Node<'_>) -> bool {
-    node.info().op == sys::GGML_OP_GET_ROWS && node.name().starts_with("mtp_tok_embd")
+    node.info().op == sys::GGML_OP_GET_ROWS
+        && (node.name().starts_with("mtp_tok_embd")
+            || node.src(0).is_some_and(|t| {
+                let n = t.name();
+                n == "token_embd.weight" || (n.starts_with("blk.") && n.ends_with(".nextn.embed_tokens.weight"))
+            }))
 }
 
 impl CalibrationObserver {

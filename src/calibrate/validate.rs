@@ -114,7 +114,7 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
 
 /// The architectures whose nextn/MTP graph (`LLM_GRAPH_TYPE_DECODER_MTP` at the pin) `--nextn`
 /// drives: its input the trunk's final hidden state and the token embedding.
-pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"];
+pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"];
 
 /// Of those, the ones whose files carry several MTP blocks, one graph running the block
 /// `llama_set_nextn_layer_offset` picks, chained as upstream's drafter chains them

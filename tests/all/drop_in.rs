@@ -229,6 +229,25 @@ fn hy_v3_is_byte_identical() {
     }
 }
 
+/// bailingmoe3 (Ling-3.0's layout): Kimi Delta Attention blocks (three causal convolutions, the
+/// per-channel decay bounded below, the delta rule, the gated per-head norm) with full
+/// attention every fourth block (multi-head latent attention behind a head-wise gate), a dense
+/// block 0, sigmoid routing with the selection bias, renormalised and scaled by 2.5, a shared
+/// expert; one sequence per batch and two (each its own recurrent state).
+#[test]
+fn bailingmoe3_is_byte_identical() {
+    for (key, c, b) in [("bailingmoe3-c256", "256", "256"), ("bailingmoe3-c128-b256", "128", "256")] {
+        let p = run_both(key, &fixture("bailingmoe3"), "imatrix.gguf", &args(&[&["-c", c, "-b", b][..], cpu_flags("bailingmoe3")].concat()));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // KDA blocks 0–2 (0 dense), the full-attention block 3; the MTP block 4 never runs
+        assert!(m.entries.contains_key("blk.0.ssm_f_a.weight") && m.entries.contains_key("blk.2.ssm_g_a.weight"), "{key}");
+        assert!(m.entries.contains_key("blk.3.attn_gate.weight") && m.entries.contains_key("blk.3.ffn_down_shexp.weight"), "{key}");
+        assert!(!m.entries.keys().any(|n| n.starts_with("blk.4.")), "{key}");
+    }
+}
+
 /// nemotron_h_moe (Nemotron-3's layout): Mamba2 mixers (`ssm_in`, the causal convolution, the
 /// selective scan, the grouped gated norm, `ssm_out`), attention without rotary embedding, and
 /// MoE blocks whose experts have no gate (down·relu²(up·x)) beside a shared expert, routed by a

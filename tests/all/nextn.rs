@@ -129,6 +129,11 @@ fn the_nextn_block_gets_the_sums_of_an_independent_computation_and_the_trunk_is_
     // by 2; its MTP graph norms the block's output before its head, and the trunk's state it
     // reads is the output norm's result, as the others'
     independent("hy_v3", false);
+    // Ling-3.0 (bailingmoe3): after a Kimi Delta Attention trunk, MLA behind a head-wise gate
+    // and a MoE (sigmoid, selection bias, gates scaled by 2.5); its MTP graph names neither the
+    // normed state nor the FFN's residual input, so the fed states are checked through
+    // eh_proj's entry alone
+    independent("bailingmoe3", false);
 }
 
 /// A block with its own token embedding and LM head (`nextn.embed_tokens`,
@@ -151,6 +156,9 @@ fn independent(arch: &str, own_head: bool) {
     let d = temp_dir(&format!("nextn-independent-{arch}{}", if own_head { "-own-head" } else { "" }));
     let model_path = d.join("m.gguf");
     let ds = arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32";
+    // bailingmoe3: deepseek2's MLA behind a head-wise gate; the graph names no mtp_hnorm or
+    // mtp_ffn_inp (nothing to capture there)
+    let bailing = arch == "bailingmoe3";
     let q35 = arch == "qwen35moe" || arch == "qwen3next";
     let nemotron = arch == "nemotron_h_moe";
     // cohere2moe: a parallel block under LayerNorms, sigmoid gates not renormalised, no
@@ -165,7 +173,13 @@ fn independent(arch: &str, own_head: bool) {
     // where every token fed must arrive: the block's router, a dense block's down projection
     let witness = if dense { "ffn_down" } else { "ffn_gate_inp" };
     // the residual the FFN's output adds to (the parts the graph names)
-    let residual_parts: &[&str] = if cohere { &["mtp_eh_proj", "mtp_attn_out"] } else { &["mtp_ffn_inp", "mtp_attn_residual"] };
+    let residual_parts: &[&str] = if cohere {
+        &["mtp_eh_proj", "mtp_attn_out"]
+    } else if bailing {
+        &[]
+    } else {
+        &["mtp_ffn_inp", "mtp_attn_residual"]
+    };
     // the fixtures' norms: RMSNorm (ε 1e-6), cohere2moe's LayerNorm without bias (ε 1e-5)
     let norm = |v: &[f64], w: &[f32]| -> Vec<f64> {
         let n = v.len() as f64;
@@ -179,7 +193,8 @@ fn independent(arch: &str, own_head: bool) {
     let all_outputs = arch == "qwen3next" || nemotron || own_head;
     // f32 weights: the GGUF holds exactly what the graph multiplies by; blocks 0 (dense), 1, 2
     // (nextn); qwen35moe: 0–2 gated delta net, 3 full attention (llama.cpp needs one), 4 (nextn)
-    let n_layer = if q35 || nemotron { 4 } else { 2 };
+    // bailingmoe3: 0–2 Kimi Delta Attention, 3 full attention (a whole group), 4 (nextn)
+    let n_layer = if q35 || nemotron || bailing { 4 } else { 2 };
     let own: &[&str] = if own_head { &["--nextn-own-head"] } else { &[] };
     run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", &n_layer.to_string()]).args(own).arg("-o").arg(&model_path));
     let scale = match arch {
@@ -187,6 +202,7 @@ fn independent(arch: &str, own_head: bool) {
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
         "step35" => reap_imatrix::fixture::STEP35_WEIGHTS_SCALE as f64,
         "hy_v3" => reap_imatrix::fixture::HY_V3_WEIGHTS_SCALE as f64,
+        "bailingmoe3" => reap_imatrix::fixture::BAILINGMOE3_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };
     let blocks: Vec<usize> = (n_layer..n_layer + n_nextn).collect();
@@ -267,7 +283,7 @@ fn independent(arch: &str, own_head: bool) {
             .map(|block| BlockInputs {
                 // the FFN's input: what the router reads, or a dense block's up projection
                 router: format!("blk.{block}.{}.weight", if dense { "ffn_up" } else { "ffn_gate_inp" }),
-                hnorm: format!("mtp_hnorm-{block}"),
+                hnorm: if bailing { String::new() } else { format!("mtp_hnorm-{block}") },
                 residual: residual_parts.iter().map(|n| format!("{n}-{block}")).collect(),
                 x: Vec::new(),
                 h: Vec::new(),
@@ -318,13 +334,14 @@ fn independent(arch: &str, own_head: bool) {
     for (bi, &block) in blocks.iter().enumerate() {
         let cap = &caps.blocks[bi];
         let residual = cap.residual();
-        assert_eq!((cap.x.len(), cap.h.len(), residual.len(), cap.res.len()), (rows * n_embd, rows * n_embd, rows * n_embd, if cohere { 2 } else { 1 }), "the residual's parts: {:?}", cap.res.iter().map(|r| &r.0).collect::<Vec<_>>());
+        let named = usize::from(!bailing) * rows * n_embd;
+        assert_eq!((cap.x.len(), cap.h.len(), residual.len(), cap.res.len()), (rows * n_embd, named, named, residual_parts.len().min(if cohere { 2 } else { 1 })), "the residual's parts: {:?}", cap.res.iter().map(|r| &r.0).collect::<Vec<_>>());
         // what the graph normed is the state this test fed: the norm × nextn.hnorm, zeros at each chunk's start
         let (hw, _) = gguf_f32(&model_path, &format!("blk.{block}.nextn.hnorm.weight"));
         for r in 0..rows {
             let h = &fed_h[r * n_embd..(r + 1) * n_embd];
             let normed = norm(&h.iter().map(|&v| v as f64).collect::<Vec<_>>(), &hw);
-            for j in 0..n_embd {
+            for j in (0..n_embd).filter(|_| !bailing) {
                 let want = normed[j];
                 let got = cap.h[r * n_embd + j] as f64;
                 assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "row {r} element {j}: mtp_hnorm {got}, expected {want}");
@@ -425,7 +442,8 @@ fn independent(arch: &str, own_head: bool) {
             for (a, v) in x_sq.iter_mut().zip(&x) {
                 *a += v * v;
             }
-            let mut y: Vec<f64> = residual[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
+            // (the block's output, for its own head; bailingmoe3 has none, nor a named residual)
+            let mut y: Vec<f64> = if residual.is_empty() { vec![0.0; n_embd] } else { residual[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect() };
             let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x)).collect();
             let probs: Vec<f64> = if q35 {
                 let m = logits.iter().cloned().fold(f64::MIN, f64::max);
@@ -507,7 +525,9 @@ fn independent(arch: &str, own_head: bool) {
         let routed: Vec<i64> = count.iter().map(|&c| c as i64).collect();
         // the matmuls that read attn_norm's result: q, k and v (glm4moe); MLA's two down-projections
         // (deepseek2: the rest of its attention reads latents); step35's head-wise gate besides
-        let attn: &[&str] = if ds {
+        let attn: &[&str] = if bailing {
+            &["attn_q_a", "attn_kv_a_mqa", "attn_gate"]
+        } else if ds {
             &["attn_q_a", "attn_kv_a_mqa"]
         } else if step35 {
             &["attn_q", "attn_k", "attn_v", "attn_gate"]
@@ -539,7 +559,7 @@ fn independent(arch: &str, own_head: bool) {
         let of_block = check_entries(&want);
         // and attn_output, whose input is the attention's result (deepseek2 also attn_q_b, attn_k_b,
         // attn_v_b, reading latents; step35 also attn_gate): one count per token fed
-        let n_entries = if ds { 14 } else if q35 || step35 { 13 } else if nemotron { 10 } else { 12 };
+        let n_entries = if bailing { 15 } else if ds { 14 } else if q35 || step35 { 13 } else if nemotron { 10 } else { 12 };
         assert_eq!(of_block, own_head as usize + n_entries, "{:?}", entries.keys().collect::<Vec<_>>());
         assert_eq!(entries[&format!("blk.{block}.attn_output.weight")].counts, all);
     }
@@ -579,6 +599,8 @@ fn select_prune_and_replay_take_a_map_with_the_nextn_block() {
     nextn_path("mimo2");
     // its selection bias without the `.bias` suffix, sliced by prune as any other's
     nextn_path("hy_v3");
+    // after a Kimi Delta Attention trunk
+    nextn_path("bailingmoe3");
 }
 
 fn nextn_path(arch: &str) {
@@ -751,7 +773,7 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"] {
+    for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"] {
         offloaded(&server, arch, &["--arch", arch]);
     }
     // a block with its own LM head, fed every token as an output: its entry comes off-host too

@@ -55,21 +55,21 @@ fn map_json_for(keep: &[Vec<u16>], blocks: &[u32]) -> Value {
 
 /// Calibrates `model` on the bundled corpus into `dir` (imatrix, saliency JSON, full trace).
 fn calibrate(dir: &Path, model: &Path) {
-    run_ok(Command::new(ours()).current_dir(dir).arg("-m").arg(model).arg("-f").arg(corpus()).args([
-        "-c",
-        "128",
-        "-b",
-        "128",
-        "--chunks",
-        "4",
-        "-t",
-        "2",
-        "--no-ppl",
-        "-o",
-        "imatrix.gguf",
-        "--trace-out",
-        "t.bin",
-    ]));
+    calibrate_with(dir, model, &[]);
+}
+
+/// [calibrate] with `extra` flags (an arch's [cpu_flags]).
+fn calibrate_with(dir: &Path, model: &Path, extra: &[&str]) {
+    run_ok(
+        Command::new(ours())
+            .current_dir(dir)
+            .arg("-m")
+            .arg(model)
+            .arg("-f")
+            .arg(corpus())
+            .args(["-c", "128", "-b", "128", "--chunks", "4", "-t", "2", "--no-ppl", "-o", "imatrix.gguf", "--trace-out", "t.bin"])
+            .args(extra),
+    );
 }
 
 fn final_ppl(out: &Output) -> f64 {
@@ -248,23 +248,24 @@ fn experts_are_sliced_along_the_outermost_axis_even_when_sizes_coincide() {
 /// slice), nemotron_h_moe (MoE in blocks 1 and 3 only, experts without a gate), cohere2moe
 /// (block 0 dense, a shared expert beside the routed ones), step35 (three MTP blocks left out,
 /// its per-block arrays cut to the trunk), mimo2 (block 0 and three MTP blocks dense, the
-/// MTP blocks left out with theirs) and hy_v3 (its selection bias `exp_probs_b` without a suffix).
+/// MTP blocks left out with theirs), hy_v3 (its selection bias `exp_probs_b` without a suffix)
+/// and bailingmoe3 (Kimi Delta Attention blocks, `attention.head_count_kv` cut to the trunk).
 #[test]
 fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
-    for &arch in ARCHS.iter().chain(&["minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"]) {
+    for &arch in ARCHS.iter().chain(&["minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"]) {
         let d = temp_dir(&format!("prune-quantize-{arch}"));
-        calibrate(&d, &fixture(arch));
+        calibrate_with(&d, &fixture(arch), cpu_flags(arch));
         let blocks: Vec<u32> = Saliency::read(&d.join("imatrix.reap.json")).unwrap().layers.iter().map(|l| l.layer).collect();
         let want: &[u32] = match arch {
             "nemotron_h_moe" => &[1, 3],
-            "cohere2moe" | "step35" | "mimo2" | "hy_v3" => &BLOCKS[1..],
+            "cohere2moe" | "step35" | "mimo2" | "hy_v3" | "bailingmoe3" => &BLOCKS[1..],
             _ => &BLOCKS,
         };
         assert_eq!(blocks, want, "{arch}");
         let keep: Vec<Vec<u16>> = blocks.iter().map(|&b| vec![0, 3, 4, 9, 17, 30 - b as u16]).collect();
         let map = write_map(&d.join("k6.json"), map_json_for(&keep, &blocks));
         // nemotron_h_moe's, cohere2moe's and step35's MTP blocks (never calibrated here) go
-        let drop: &[&str] = if ["nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"].contains(&arch) { &["--drop-nextn"] } else { &[] };
+        let drop: &[&str] = if ["nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"].contains(&arch) { &["--drop-nextn"] } else { &[] };
         prune_ok(&fixture(arch), &map, &d.join("p.gguf"), &[&["--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"][..], drop].concat());
         let quantize = |im: &str, out: &str| {
             run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", im, "p.gguf", out, "Q4_0"]))

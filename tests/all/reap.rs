@@ -19,10 +19,10 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
-        // cohere2moe, step35, mimo2, hy_v3: glm4moe's block 0 dense too
-        let glm_like = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "mimo2", "hy_v3"].contains(&arch);
+        // cohere2moe, step35, mimo2, hy_v3, bailingmoe3: glm4moe's block 0 dense too
+        let glm_like = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"].contains(&arch);
         let nemotron = arch == "nemotron_h_moe";
         let sigmoid = glm_like || arch == "minimax-m2" || nemotron;
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
@@ -46,12 +46,12 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         let want = if glm_like { vec![1, 2, 3] } else if nemotron { vec![1, 3] } else { vec![0, 1, 2, 3] };
         assert_eq!(blocks, want, "{arch}");
         assert_eq!(s.routing().softmax(), Some(!sigmoid), "{arch}");
-        if !["qwen2moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "hy_v3"].contains(&arch) && !nemotron {
+        if !["qwen2moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "hy_v3", "bailingmoe3"].contains(&arch) && !nemotron {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
         } else {
             // qwen2moe and cohere2moe do not normalise their top-k weights, deepseek2, glm-dsa,
-            // deepseek32 and nemotron_h_moe scale them by 2.5 after, step35 by 3, hy_v3 by 2
+            // deepseek32 and nemotron_h_moe scale them by 2.5 after, step35 by 3, hy_v3 by 2, bailingmoe3 by 2.5
             assert!(!text.contains("(normalised gating)"), "{arch}'s gates do not sum to 1:\n{text}");
         }
     }
@@ -309,6 +309,8 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     // hy_v3: glm4moe's routing scaled by 2 (its selection bias named exp_probs_b), after
     // attention with per-head q/k norms
     independent_computation("hy_v3", false);
+    // bailingmoe3: deepseek2's routing (scaled by 2.5), block 1 after Kimi Delta Attention
+    independent_computation("bailingmoe3", false);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -322,13 +324,14 @@ fn independent_computation_grouped(arch: &str, normalised: bool, groups: Option<
 fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(usize, usize)>, fixture_flags: &[&str]) {
     let gpt_oss = arch == "gpt-oss";
     let nemotron = arch == "nemotron_h_moe";
-    let sigmoid = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3"].contains(&arch);
+    let sigmoid = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"].contains(&arch);
     // DeepSeek-V3's (GLM-5's, Nemotron-3's) routed_scaling_factor, on the renormalised gates
     let scale = match arch {
         "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
         "nemotron_h_moe" => reap_imatrix::fixture::NEMOTRON_WEIGHTS_SCALE as f64,
         "step35" => reap_imatrix::fixture::STEP35_WEIGHTS_SCALE as f64,
         "hy_v3" => reap_imatrix::fixture::HY_V3_WEIGHTS_SCALE as f64,
+        "bailingmoe3" => reap_imatrix::fixture::BAILINGMOE3_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };
     // step35's SwiGLU limit in block 1 (the one examined); 0: none
@@ -339,7 +342,8 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
     let group_flags: Vec<String> = groups.map_or_else(Vec::new, |(g, u)| vec!["--expert-groups".into(), g.to_string(), "--expert-groups-used".into(), u.to_string()]);
     // qwen35moe's first full-attention block is block 3, nemotron_h_moe's block 2 (llama.cpp
     // needs one)
-    let layers = if arch == "qwen35moe" || arch == "qwen3next" || nemotron { "4" } else { "2" };
+    // (bailingmoe3's a whole group of blocks for a KDA block)
+    let layers = if arch == "qwen35moe" || arch == "qwen3next" || arch == "bailingmoe3" || nemotron { "4" } else { "2" };
     run_ok(Command::new(ours()).args(["fixture", "--arch", arch, "--wtype", "f32", "--layers", layers, "-o"]).arg(&model_path).args(&group_flags).args(fixture_flags));
     let n_ctx = 64usize;
     calibrate(&d, &model_path, &["-c", &n_ctx.to_string(), "-b", "64", "--chunks", "1", "--trace-out", "t.bin"]);

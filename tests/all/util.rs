@@ -71,7 +71,7 @@ pub fn fixture(arch: &str) -> PathBuf {
 /// `-nr` turns the extra buffer types off; on a CPU without AMX it changes nothing for an
 /// f16 model (ggml repacks quantized types only), so a test means the same on every machine.
 pub fn cpu_flags(arch: &str) -> &'static [&'static str] {
-    if arch == "deepseek2" || arch == "glm-dsa" || arch == "deepseek32" || arch == "qwen35moe" || arch == "qwen3next" {
+    if ["deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "bailingmoe3"].contains(&arch) {
         &["-nr"]
     } else {
         &[]
