@@ -234,6 +234,11 @@ impl<'m> NextnPass<'m> {
         if obs.imatrix.state.stats.is_empty() {
             bail!("--nextn: the MTP graph has no matmul the imatrix collector recognised (chunk {})", main.chunk);
         }
+        // the rows of the batch (trace checks, --domains) start at the graph's token lookup: a
+        // graph whose lookup the observer does not know would leave them unchecked
+        if obs.reap.as_ref().is_some_and(|r| r.batch.current.is_none()) {
+            bail!("--nextn: no token lookup of the MTP graph was recognised (chunk {}): the block's rows could not be checked against the batch", main.chunk);
+        }
         let got = routed(obs) - before;
         if got != n_fed as i64 {
             bail!("--nextn: the MTP graph's {router} saw {got} of the {n_fed} tokens fed (chunk {}): the block's statistics would leave tokens out", main.chunk);
