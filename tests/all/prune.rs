@@ -477,6 +477,85 @@ fn k6() -> Vec<Vec<u16>> {
     vec![vec![0, 1, 2, 3, 4, 5]; BLOCKS.len()]
 }
 
+/// The qwen3moe fixture with a DeepSeek-V4-style hash-routing table in block 0
+/// (`blk.0.ffn_gate_tid2eid.weight`, [k, n_vocab] I32: each token's experts), its ids
+/// `id(token, slot)`. llama.cpp would not load the file (qwen3moe has no such tensor); prune
+/// reads tensors by name, so this checks what prune writes of the table.
+fn with_hash_table(dir: &Path, id: impl Fn(u64, u64) -> i32) -> (PathBuf, Vec<i32>, u64) {
+    let src = fixture("qwen3moe");
+    let b = read(&src);
+    let h = Header::parse(&b).unwrap();
+    let k = h.uint(&b, "qwen3moe.expert_used_count").unwrap();
+    let n_vocab = h.tensors.iter().find(|t| t.name == "token_embd.weight").unwrap().ne[1];
+    let ids: Vec<i32> = (0..n_vocab).flat_map(|t| (0..k).map(move |s| (t, s))).map(|(t, s)| id(t, s)).collect();
+    let data: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+    let t = reap_imatrix::formats::gguf::TensorInfo { name: "blk.0.ffn_gate_tid2eid.weight".into(), ne: vec![k, n_vocab], ggml_type: 26, offset: 0 };
+    let model = dir.join("hash.gguf");
+    with_added_tensor(&src, &model, t, &data);
+    (model, ids, k)
+}
+
+/// A hash-routed block's table of expert ids is renumbered as the experts are: each id becomes
+/// the kept expert's position in the keep list (recomputed here from the source's ids), the
+/// table's shape and every other tensor as a table-less prune writes them. A map that drops an
+/// expert the table names is refused (its entries and tokens counted here), and so is every
+/// map of a model whose table names all experts; nothing is written.
+#[test]
+fn a_hash_routing_table_is_renumbered_and_a_map_dropping_its_experts_is_refused() {
+    let d = temp_dir("prune-hash");
+    // the table names 12 scattered experts of the 32
+    let named: Vec<i32> = vec![2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 30, 31];
+    let (model, ids, k) = with_hash_table(&d, |t, s| named[((t * 5 + s * 7) % 12) as usize]);
+    let mut keep: Vec<u16> = named.iter().map(|&e| e as u16).chain([0, 9, 20, 25]).collect();
+    keep.sort_unstable();
+    let map = write_map(&d.join("k.json"), map_json(&vec![keep.clone(); BLOCKS.len()]));
+    let out = d.join("out.gguf");
+    prune_ok(&model, &map, &out, &[]);
+    let plain = d.join("plain.gguf");
+    prune_ok(&fixture("qwen3moe"), &map, &plain, &[]);
+    let (o, p) = (read(&out), read(&plain));
+    let (ho, hp) = (Header::parse(&o).unwrap(), Header::parse(&p).unwrap());
+    let bytes = |b: &[u8], h: &Header, name: &str| {
+        let t = h.tensors.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no {name}"));
+        let at = (h.data_start + t.offset) as usize;
+        (t.ne.clone(), b[at..at + t.nbytes() as usize].to_vec())
+    };
+    for t in &hp.tensors {
+        assert_eq!(bytes(&o, &ho, &t.name), bytes(&p, &hp, &t.name), "{}", t.name);
+    }
+    let (ne, table) = bytes(&o, &ho, "blk.0.ffn_gate_tid2eid.weight");
+    assert_eq!(ne, vec![k, ids.len() as u64 / k]);
+    let got: Vec<i32> = table.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+    let want: Vec<i32> = ids.iter().map(|&e| keep.iter().position(|&x| x as i32 == e).unwrap() as i32).collect();
+    assert_eq!(got, want);
+    assert_eq!(ho.tensors.len(), hp.tensors.len() + 1);
+
+    // a map that keeps 20 but not expert 29, which slot 0 of tokens 9, 21, 33, … names
+    let r = Refusal::new("hash");
+    let mut keep2 = keep.clone();
+    keep2.retain(|&e| e != 29);
+    keep2.push(1);
+    keep2.sort_unstable();
+    let (entries, tokens) = {
+        let hit: Vec<usize> = (0..ids.len()).filter(|&i| ids[i] == 29).collect();
+        let mut t: Vec<u64> = hit.iter().map(|&i| i as u64 / k).collect();
+        t.dedup();
+        (hit.len(), t.len())
+    };
+    let first = (0..ids.len()).find(|&i| ids[i] == 29).unwrap() as u64;
+    r.expect_on(
+        &model,
+        &r.map(map_json(&vec![keep2; BLOCKS.len()])),
+        &[],
+        &format!("block 0 routes by token id (blk.0.ffn_gate_tid2eid.weight names each token's experts; DeepSeek-V4's hash routing), and the map drops experts it names: 29, in {entries} entries of {tokens} tokens (first: token {}, slot {}, expert 29)", first / k, first % k),
+    );
+    r.expect_on(&model, &r.map(map_json(&vec![(0..12).collect::<Vec<u16>>(); BLOCKS.len()])), &["--dry-run"], "A map that keeps all 12 experts it names in block 0 (K ≥ 12) prunes it");
+    // a table that names every expert: nothing can go
+    let dall = temp_dir("prune-hash-all");
+    let (all, _, _) = with_hash_table(&dall, |t, s| ((t * 3 + s * 11) % 32) as i32);
+    r.expect_on(&all, &r.map(map_json(&vec![keep; BLOCKS.len()])), &[], "It names all 32: llama.cpp reads one expert_count for every block");
+}
+
 #[test]
 fn prune_refuses_a_map_with_another_layer_count() {
     let r = Refusal::new("layers");

@@ -252,6 +252,26 @@ fn rewrite_kv(src: &Path, dst: &Path, key: impl Fn(&str) -> String, value: &[u8]
     std::fs::write(dst, out).unwrap();
 }
 
+/// A copy of `src` with one more tensor, `t` (its offset is laid out here) holding `data`,
+/// after the others; every pair and tensor as they were.
+pub fn with_added_tensor(src: &Path, dst: &Path, t: reap_imatrix::formats::gguf::TensorInfo, data: &[u8]) {
+    use reap_imatrix::formats::gguf::{encode_header, Header};
+    let b = read(src);
+    let h = Header::parse(&b).unwrap();
+    assert_eq!(t.nbytes(), data.len() as u64, "{}", t.name);
+    let kvs: Vec<&[u8]> = h.kvs.iter().map(|kv| &b[kv.raw.clone()]).collect();
+    let mut tensors = h.tensors.clone();
+    tensors.push(t);
+    let (mut out, offsets) = encode_header(h.version, &kvs, &tensors, h.alignment);
+    let data_start = out.len();
+    for (i, (t, off)) in tensors.iter().zip(offsets).enumerate() {
+        out.resize(data_start + off as usize, 0);
+        let from = (h.data_start + t.offset) as usize;
+        out.extend_from_slice(if i < h.tensors.len() { &b[from..from + t.nbytes() as usize] } else { data });
+    }
+    std::fs::write(dst, out).unwrap();
+}
+
 /// A string value's (type, value) bytes for [with_kv].
 pub fn gguf_string(s: &str) -> Vec<u8> {
     let mut v = 8u32.to_le_bytes().to_vec();

@@ -342,6 +342,32 @@ pub(crate) fn check_groups(keep: &[Vec<u16>], blocks: &[u32], path: &Path, n_exp
     Ok(())
 }
 
+/// Why a hash-routed block (DeepSeek-V4's first blocks pick each token's experts from a table
+/// by its token id) cannot lose the experts the keep map drops: no router score chooses another
+/// expert for the tokens the table sends there, and llama.cpp holds one expert count for every
+/// block, so a table that names all experts leaves nothing to prune.
+fn dropped_ids_message(map: &Path, tensor: &str, block: u32, n_expert: u64, k: usize, d: &plan::DroppedIds) -> String {
+    let (token, slot, expert) = d.first;
+    let shown: Vec<String> = d.experts.iter().take(8).map(u32::to_string).collect();
+    let more = if d.experts.len() > 8 { format!(", … ({} in all)", d.experts.len()) } else { String::new() };
+    let all = if d.named as u64 == n_expert {
+        format!(
+            " It names all {n_expert}: llama.cpp reads one expert_count for every block, so this model's experts cannot be pruned without changing how block {block} routes"
+        )
+    } else {
+        format!(" A map that keeps all {} experts it names in block {block} (K ≥ {}) prunes it", d.named, d.named)
+    };
+    format!(
+        "--keep-map {}: block {block} routes by token id ({tensor} names each token's experts; DeepSeek-V4's hash routing), and the map drops \
+         experts it names: {}{more}, in {} entries of {} tokens (first: token {token}, slot {slot}, expert {expert}). Keeping {k} of {n_expert}, \
+         those tokens would have no expert to go to.{all}.",
+        map.display(),
+        shown.join(", "),
+        d.entries,
+        d.tokens
+    )
+}
+
 /// Prunes `opts.model` by `opts.keep_map` into `opts.out` (and the imatrix, if given).
 /// Bad inputs are `UsageError`s, raised before anything is written.
 pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
@@ -453,6 +479,19 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let tensors_dropped = steps.len();
     steps.retain(|s| kept_tensor(&s.src.name));
     let tensors_dropped = tensors_dropped - steps.len();
+    for step in steps.iter_mut() {
+        let Some(block) = plan::expert_id_table(&step.src.name) else { continue };
+        let map = if step.shard == 0 { &src.map } else { &shards.as_ref().unwrap().more[step.shard - 1].1.map };
+        let at = step.src_start as usize;
+        let data = map.get(at..at + step.src.nbytes() as usize).ok_or_else(|| usage(format!("-m {model_arg}: tensor {}: its data runs past the end of the file", step.src.name)))?;
+        let Some(slot) = blocks.iter().position(|&b| b == block) else {
+            return Err(usage(format!("-m {model_arg}: tensor {}: a table of expert ids in block {block}, which has no router (blk.{block}.ffn_gate_inp.weight)", step.src.name)));
+        };
+        step.data = Some(plan::remap_expert_ids(&step.src, data, &keep[slot], n_expert).map_err(|e| match e {
+            Err(broken) => usage(format!("-m {model_arg}: {broken}")),
+            Ok(d) => usage(dropped_ids_message(&opts.keep_map, &step.src.name, block, n_expert, k, &d)),
+        })?);
+    }
     let count_kv = h.kv(&count_key).unwrap();
     let new_count = Header::encode_uint(count_kv, k as u64).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
     let mut replaced: Vec<(String, Option<Vec<u8>>)> = vec![(count_key.clone(), Some(new_count))];

@@ -11,10 +11,21 @@
 use crate::formats::gguf::{Header, TensorInfo};
 
 /// Per-expert tensors of a model, by the part of the name after `blk.N.`: the expert FFN
-/// weights (split and fused) with any suffix (`weight`, `bias`, `scale`, `input_scale`), the
-/// router (rows per expert, and its bias) and the selection biases.
-pub const MODEL_PER_EXPERT: &[&str] =
-    &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps", "ffn_gate_inp", "exp_probs_b", "exp_probs_b_vl"];
+/// weights (split and fused) with any suffix (`weight`, `bias`, `scale`, `input_scale`) and
+/// the selection biases. The router is per expert by its suffix ([ROUTER_PER_EXPERT]).
+pub const MODEL_PER_EXPERT: &[&str] = &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps", "exp_probs_b", "exp_probs_b_vl"];
+
+/// The router `blk.N.ffn_gate_inp.*`: its weight (a row per expert) and bias are per expert.
+const ROUTER: &str = "ffn_gate_inp";
+const ROUTER_PER_EXPERT: &[&str] = &["weight", "bias"];
+/// ...and Gemma 4's `ffn_gate_inp.scale` is not: it scales the router's input, one value per
+/// input column (`[n_embd]`, `src/models/gemma4.cpp` at the pin), and is copied.
+const ROUTER_PER_COLUMN: &[&str] = &["scale"];
+
+/// Tables of expert ids (`[n_expert_used, n_vocab]` I32): DeepSeek-V4's hash-routed blocks pick
+/// each token's experts by its id from `blk.N.ffn_gate_tid2eid.weight`, not by the router's
+/// scores. Pruning renumbers the ids ([remap_expert_ids]).
+const EXPERT_ID_TABLES: &[&str] = &["ffn_gate_tid2eid"];
 
 /// Names that end like a per-expert tensor but hold one vector for the whole layer.
 const NOT_PER_EXPERT: &[&str] = &["ffn_norm_exps"];
@@ -48,14 +59,90 @@ pub fn nextn_blocks(h: &Header, bytes: &[u8], arch: &str) -> Vec<u32> {
 /// The block of a model tensor that holds one slice per expert. An unknown `*_exps` tensor is
 /// an error: copying it whole would leave a model llama.cpp cannot load, or loads wrongly.
 pub fn model_per_expert(name: &str) -> Result<Option<u32>, String> {
-    let Some((n, base, _)) = split_block(name) else { return Ok(None) };
+    let Some((n, base, rest)) = split_block(name) else { return Ok(None) };
     if MODEL_PER_EXPERT.contains(&base) {
         return Ok(Some(n));
+    }
+    if base == ROUTER {
+        return match rest {
+            _ if ROUTER_PER_EXPERT.contains(&rest) => Ok(Some(n)),
+            _ if ROUTER_PER_COLUMN.contains(&rest) => Ok(None),
+            _ => Err(format!("tensor {name}: a router tensor prune does not know how to slice (per expert: .weight, .bias; per input column: .scale)")),
+        };
     }
     if base.ends_with("_exps") && !NOT_PER_EXPERT.contains(&base) {
         return Err(format!("tensor {name}: a per-expert tensor prune does not know how to slice"));
     }
     Ok(None)
+}
+
+/// The block of a model tensor that is a table of expert ids ([EXPERT_ID_TABLES]).
+pub fn expert_id_table(name: &str) -> Option<u32> {
+    let (n, base, rest) = split_block(name)?;
+    (EXPERT_ID_TABLES.contains(&base) && rest == "weight").then_some(n)
+}
+
+/// Why a table of expert ids cannot be pruned as the keep map asks: the table names experts
+/// the map drops.
+#[derive(Debug, PartialEq)]
+pub struct DroppedIds {
+    /// the distinct experts the table names (of the model's n_expert)
+    pub named: usize,
+    /// the entries (token × slot) that name a dropped expert, and the tokens with one
+    pub entries: usize,
+    pub tokens: usize,
+    /// the dropped experts the table names, ascending
+    pub experts: Vec<u32>,
+    /// the first such entry: (token id, slot, expert)
+    pub first: (usize, usize, u32),
+}
+
+/// An expert-id table (`data`: `ne[0]` I32 ids per token, tokens along `ne[1]`) with each id
+/// renumbered to its position among the kept experts (`keep`, ascending), as the sliced
+/// expert tensors number them. An id outside `0..n_expert` is a broken model (Err(Err));
+/// ids of dropped experts leave the token without an expert to go to (Err(Ok)).
+pub fn remap_expert_ids(t: &TensorInfo, data: &[u8], keep: &[u16], n_expert: u64) -> Result<Vec<u8>, Result<DroppedIds, String>> {
+    if t.ggml_type != crate::llama::sys::GGML_TYPE_I32 {
+        return Err(Err(format!("tensor {}: a table of expert ids of type {} (the pin's loader reads I32)", t.name, t.ggml_type)));
+    }
+    let width = t.ne.first().copied().unwrap_or(1).max(1) as usize;
+    if data.len() as u64 != t.nbytes() {
+        return Err(Err(format!("tensor {}: {} bytes of data for shape {:?}", t.name, data.len(), t.ne)));
+    }
+    let mut new_id = vec![-1i32; n_expert as usize];
+    for (i, &e) in keep.iter().enumerate() {
+        new_id[e as usize] = i as i32;
+    }
+    let mut out = Vec::with_capacity(data.len());
+    let mut named = vec![false; n_expert as usize];
+    let (mut entries, mut tokens, mut experts, mut first) = (0, 0, Vec::new(), None);
+    let mut last_token = usize::MAX;
+    for (i, c) in data.chunks_exact(4).enumerate() {
+        let id = i32::from_le_bytes(c.try_into().unwrap());
+        if id < 0 || id as u64 >= n_expert {
+            return Err(Err(format!("tensor {}: token {} names expert {id}, outside 0..{n_expert}", t.name, i / width)));
+        }
+        named[id as usize] = true;
+        let to = new_id[id as usize];
+        if to < 0 {
+            entries += 1;
+            if last_token != i / width {
+                tokens += 1;
+                last_token = i / width;
+            }
+            experts.push(id as u32);
+            first.get_or_insert((i / width, i % width, id as u32));
+        }
+        out.extend_from_slice(&to.to_le_bytes());
+    }
+    match first {
+        None => Ok(out),
+        Some(first) => {
+            experts.sort_unstable();
+            experts.dedup();
+            Err(Ok(DroppedIds { named: named.iter().filter(|&&n| n).count(), entries, tokens, experts, first }))
+        }
+    }
 }
 
 /// The block of an imatrix entry that holds one slice per expert.
@@ -111,6 +198,8 @@ pub struct Step {
     pub out: TensorInfo,
     /// per-expert: (index of the MoE layer in the keep map, bytes per expert)
     pub slice: Option<(usize, u64)>,
+    /// the output data, where it is not a copy of the source's (a renumbered expert-id table)
+    pub data: Option<Vec<u8>>,
 }
 
 /// The output tensors, in source order. `per_expert` names the per-expert tensors' blocks;
@@ -127,7 +216,7 @@ pub fn plan(
     for t in &h.tensors {
         let src_start = h.data_start + t.offset;
         let Some(block) = per_expert(&t.name)? else {
-            steps.push(Step { src_start, shard: 0, src: t.clone(), out: t.clone(), slice: None });
+            steps.push(Step { src_start, shard: 0, src: t.clone(), out: t.clone(), slice: None, data: None });
             continue;
         };
         let slot = blocks
@@ -147,7 +236,7 @@ pub fn plan(
         }
         let mut out = t.clone();
         out.ne[axis] = k as u64;
-        steps.push(Step { src_start, shard: 0, src: t.clone(), out, slice: Some((slot, nbytes / n_expert)) });
+        steps.push(Step { src_start, shard: 0, src: t.clone(), out, slice: Some((slot, nbytes / n_expert)), data: None });
     }
     Ok(steps)
 }
@@ -176,6 +265,8 @@ mod tests {
             info("blk.1.ffn_gate_exps.bias", &[8, 8], f32_),
             info("blk.1.ffn_down_exps.scale", &[8], f32_),
             info("blk.1.ffn_down_shexp.weight", &[8, 64], f32_),
+            // Gemma 4's router input scale: one per input column, not per expert
+            info("blk.1.ffn_gate_inp.scale", &[64], f32_),
         ];
         let (head, _) = encode_header(3, &[], &tensors, 32);
         let size: u64 = tensors.iter().map(|t| crate::formats::gguf::pad(t.nbytes(), 32)).sum();
@@ -195,6 +286,7 @@ mod tests {
                 (vec![8, 3], Some((0, 8 * 4))),
                 (vec![3], Some((0, 4))),
                 (vec![8, 64], None),
+                (vec![64], None),
             ]
         );
         // a per-expert tensor with another expert count, or in a block without a router
@@ -238,6 +330,32 @@ mod tests {
         assert!(e.contains("ffn_down_exps.weight.in_sum2: sums for 128 columns × 1 matrices"), "{e}");
     }
 
+    fn table(ids: &[[i32; 2]]) -> (TensorInfo, Vec<u8>) {
+        let data: Vec<u8> = ids.iter().flatten().flat_map(|i| i.to_le_bytes()).collect();
+        (info("blk.0.ffn_gate_tid2eid.weight", &[2, ids.len() as u64], sys::GGML_TYPE_I32), data)
+    }
+
+    /// Each id becomes the kept expert's position in the ascending keep list (written out by
+    /// hand here); an id of a dropped expert is reported with what it affects.
+    #[test]
+    fn expert_id_tables_are_renumbered_or_refused() {
+        let keep = [1u16, 3, 4, 6];
+        let (t, d) = table(&[[1, 3], [4, 6], [6, 1]]);
+        let out = remap_expert_ids(&t, &d, &keep, 8).unwrap();
+        let got: Vec<i32> = out.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+        assert_eq!(got, vec![0, 1, 2, 3, 3, 0]);
+        let (t, d) = table(&[[1, 2], [0, 3], [4, 6], [2, 2]]);
+        let e = remap_expert_ids(&t, &d, &keep, 8).unwrap_err().unwrap();
+        assert_eq!(e, DroppedIds { named: 6, entries: 4, tokens: 3, experts: vec![0, 2], first: (0, 1, 2) });
+        let (t, d) = table(&[[1, 8]]);
+        assert!(remap_expert_ids(&t, &d, &keep, 8).unwrap_err().unwrap_err().contains("token 0 names expert 8, outside 0..8"));
+        let (t, d) = table(&[[1, -1]]);
+        assert!(remap_expert_ids(&t, &d, &keep, 8).unwrap_err().unwrap_err().contains("names expert -1"));
+        let (mut t, d) = table(&[[1, 3]]);
+        t.ggml_type = sys::GGML_TYPE_F32;
+        assert!(remap_expert_ids(&t, &d, &keep, 8).unwrap_err().unwrap_err().contains("I32"));
+    }
+
     #[test]
     fn per_expert_names_are_recognised_by_role() {
         assert_eq!(model_per_expert("blk.3.ffn_down_exps.weight"), Ok(Some(3)));
@@ -256,6 +374,13 @@ mod tests {
         assert_eq!(model_per_expert("blk.1.ffn_norm_exps.weight"), Ok(None));
         assert_eq!(model_per_expert("token_embd.weight"), Ok(None));
         assert!(model_per_expert("blk.1.ffn_other_exps.weight").is_err());
+        // Gemma 4's router input scale is per input column; an unknown router tensor is refused
+        assert_eq!(model_per_expert("blk.1.ffn_gate_inp.scale"), Ok(None));
+        assert!(model_per_expert("blk.1.ffn_gate_inp.other").unwrap_err().contains("router tensor"));
+        // DeepSeek-V4's expert-id table is renumbered, not sliced
+        assert_eq!(model_per_expert("blk.0.ffn_gate_tid2eid.weight"), Ok(None));
+        assert_eq!(expert_id_table("blk.0.ffn_gate_tid2eid.weight"), Some(0));
+        assert_eq!(expert_id_table("blk.0.ffn_gate_inp.weight"), None);
         assert_eq!(imatrix_per_expert("blk.2.ffn_down_exps.weight.in_sum2"), Ok(Some(2)));
         assert_eq!(imatrix_per_expert("blk.2.ffn_gate_exps.weight.counts"), Ok(Some(2)));
         assert_eq!(imatrix_per_expert("blk.2.ffn_gate_inp.weight.in_sum2"), Ok(None));

@@ -22,7 +22,7 @@ const WINDOW: usize = 16 << 20;
 
 /// Writes `header` (which already holds the output tensor infos and the padding to the data
 /// section), then each step's data (from its shard of `srcs`): whole, or the kept experts'
-/// runs in ascending id order, each tensor padded to `alignment`. `offsets` are the output
+/// runs in ascending id order, or the step's own bytes, each tensor padded to `alignment`. `offsets` are the output
 /// offsets the header promised; they are checked as the file is written. Returns the bytes
 /// written.
 pub fn write(path: &Path, srcs: &[(&Mmap, &File)], header: &[u8], steps: &[Step], offsets: &[u64], keep: &[Vec<u16>], alignment: u64) -> Result<u64> {
@@ -46,6 +46,12 @@ pub fn write(path: &Path, srcs: &[(&Mmap, &File)], header: &[u8], steps: &[Step]
         let start = step.src_start as usize;
         let (src, src_file) = srcs[step.shard];
         let n = match step.slice {
+            _ if step.data.is_some() => {
+                let d = step.data.as_deref().unwrap();
+                w.write_all(d).with_context(err)?;
+                crate::progress::add(d.len() as u64);
+                d.len() as u64
+            }
             None => {
                 copy(src, src_file, &mut kernel_copy, start, step.src.nbytes() as usize, &mut w).with_context(err)?;
                 step.src.nbytes()
