@@ -229,6 +229,25 @@ fn hy_v3_is_byte_identical() {
     }
 }
 
+/// gemma4 (Gemma 4 26B-A4B's layout): sliding blocks and global ones (proportional RoPE
+/// through `rope_freqs`), q/k/v norms, every sublayer's output normalised, a dense GELU MLP
+/// beside the experts in every block, the router on its own scaled RMSNorm of the block's
+/// input (the graph's `probs_in`), GELU experts each scaled by `ffn_down_exps.scale` (so the
+/// experts' output is `ffn_moe_down_scaled`), softcapped logits; one sequence per batch and two.
+#[test]
+fn gemma4_is_byte_identical() {
+    for (key, c, b) in [("gemma4-c256", "256", "256"), ("gemma4-c128-b256", "128", "256")] {
+        let p = run_both(key, &fixture("gemma4"), "imatrix.gguf", &args(&["-c", c, "-b", b]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // every block has the dense MLP, the router and the experts
+        for t in ["ffn_down", "ffn_gate_inp", "ffn_down_exps", "ffn_up_exps"] {
+            assert!(m.entries.contains_key(&format!("blk.3.{t}.weight")), "{key}: {t}");
+        }
+    }
+}
+
 /// bailingmoe3 (Ling-3.0's layout): Kimi Delta Attention blocks (three causal convolutions, the
 /// per-channel decay bounded below, the delta rule, the gated per-head norm) with full
 /// attention every fourth block (multi-head latent attention behind a head-wise gate), a dense

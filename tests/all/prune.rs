@@ -248,11 +248,13 @@ fn experts_are_sliced_along_the_outermost_axis_even_when_sizes_coincide() {
 /// slice), nemotron_h_moe (MoE in blocks 1 and 3 only, experts without a gate), cohere2moe
 /// (block 0 dense, a shared expert beside the routed ones), step35 (three MTP blocks left out,
 /// its per-block arrays cut to the trunk), mimo2 (block 0 and three MTP blocks dense, the
-/// MTP blocks left out with theirs), hy_v3 (its selection bias `exp_probs_b` without a suffix)
-/// and bailingmoe3 (Kimi Delta Attention blocks, `attention.head_count_kv` cut to the trunk).
+/// MTP blocks left out with theirs), hy_v3 (its selection bias `exp_probs_b` without a suffix),
+/// bailingmoe3 (Kimi Delta Attention blocks, `attention.head_count_kv` cut to the trunk) and
+/// gemma4 (the per-expert `ffn_down_exps.scale` sliced, the router's per-column
+/// `ffn_gate_inp.scale` copied: refused as a per-expert tensor before).
 #[test]
 fn upstream_llama_quantize_accepts_the_sliced_imatrix() {
-    for &arch in ARCHS.iter().chain(&["minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"]) {
+    for &arch in ARCHS.iter().chain(&["minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3", "gemma4"]) {
         let d = temp_dir(&format!("prune-quantize-{arch}"));
         calibrate_with(&d, &fixture(arch), cpu_flags(arch));
         let blocks: Vec<u32> = Saliency::read(&d.join("imatrix.reap.json")).unwrap().layers.iter().map(|l| l.layer).collect();

@@ -19,7 +19,7 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3", "gemma4"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         // cohere2moe, step35, mimo2, hy_v3, bailingmoe3: glm4moe's block 0 dense too
         let glm_like = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"].contains(&arch);
@@ -200,26 +200,63 @@ struct CaptureFfnInput {
     router: String,
     x: Vec<f32>,
     n_embd: usize,
+    /// the experts' up projection, whose input (`[n, 1, T]`) goes to `xe`
+    experts: String,
+    xe: Vec<f32>,
 }
 
 impl GraphObserver for CaptureFfnInput {
     fn wants(&mut self, node: Node<'_>) -> bool {
-        node.src(0).is_some_and(|s| s.name() == self.router)
+        node.src(0).is_some_and(|s| s.name() == self.router || s.name() == self.experts)
     }
     fn observe(&mut self, node: Node<'_>) -> bool {
+        let experts = node.src(0).unwrap().name() == self.experts;
         let src1 = node.src(1).unwrap();
         let t = src1.info();
         let mut scratch = Vec::new();
         let data = src1.bytes(&mut scratch);
-        self.n_embd = t.ne[0] as usize;
-        for tok in 0..t.ne[1] {
+        if !experts {
+            self.n_embd = t.ne[0] as usize;
+        }
+        // the router's input is [n, T]; the experts' [n, 1, T] (one input for all picks)
+        let tokens = if experts { t.ne[2] } else { t.ne[1] };
+        for tok in 0..tokens {
             for j in 0..t.ne[0] {
-                let o = t.offset([j, tok, 0, 0]);
-                self.x.push(f32::from_ne_bytes(data[o..o + 4].try_into().unwrap()));
+                let o = if experts { t.offset([j, 0, tok, 0]) } else { t.offset([j, tok, 0, 0]) };
+                let v = f32::from_ne_bytes(data[o..o + 4].try_into().unwrap());
+                if experts { self.xe.push(v) } else { self.x.push(v) }
             }
         }
         true
     }
+}
+
+/// ggml's CPU GELU (`GGML_GELU_FP16`): the input rounded to f16, looked up in a table of the
+/// tanh approximation rounded to f16; ±10 and beyond passed through or zeroed.
+fn ggml_gelu(x: f64) -> f64 {
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let h = f16_round(x);
+    f16_round(0.5 * h * (1.0 + (0.797_884_560_802_865_4 * h * (1.0 + 0.044715 * h * h)).tanh()))
+}
+
+/// `x` rounded to the nearest f16 (ties to even), as f64; the fixture's values are far inside
+/// f16's normal range but for the subnormals, handled too.
+fn f16_round(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let e = x.abs().log2().floor().max(-14.0);
+    let ulp = 2f64.powf(e - 10.0);
+    let q = x / ulp;
+    let r = q.round();
+    // ties to even
+    let r = if (q - q.trunc()).abs() == 0.5 && r % 2.0 != 0.0 { r - q.signum() } else { r };
+    r * ulp
 }
 
 /// An f32 tensor of a GGUF file, read through the gguf C API.
@@ -311,6 +348,10 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     independent_computation("hy_v3", false);
     // bailingmoe3: deepseek2's routing (scaled by 2.5), block 1 after Kimi Delta Attention
     independent_computation("bailingmoe3", false);
+    // gemma4: a softmax over the router's own scaled RMSNorm of the block's input, renormalised;
+    // GEGLU experts on another RMSNorm of it (read from the graph), each output times its
+    // ffn_down_exps.scale
+    independent_computation("gemma4", true);
 }
 
 fn independent_computation(arch: &str, normalised: bool) {
@@ -359,7 +400,13 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
     let mut text = std::fs::read(corpus()).unwrap();
     text.pop();
     let tokens = model.vocab().tokenize(&text, true, false).unwrap();
-    let obs = CaptureFfnInput { router: format!("blk.{block}.ffn_gate_inp.weight"), x: Vec::new(), n_embd: 0 };
+    let obs = CaptureFfnInput {
+        router: format!("blk.{block}.ffn_gate_inp.weight"),
+        x: Vec::new(),
+        n_embd: 0,
+        experts: format!("blk.{block}.ffn_up_exps.weight"),
+        xe: Vec::new(),
+    };
     let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_ctx as u32, n_ubatch: 512, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1, ..Default::default() };
     let mut ctx = Context::new(&model, &p, obs).unwrap();
     let mut batch = ctx.batch();
@@ -370,6 +417,16 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
     let cap = ctx.into_observer();
     let n_embd = cap.n_embd;
     assert_eq!(cap.x.len(), n_ctx * n_embd);
+    // gemma4's router reads its own scaled RMSNorm of the block's input, its experts another
+    // (pre_ffw_norm_2): the experts' input is read from the graph too
+    let gemma4 = arch == "gemma4";
+    if gemma4 {
+        assert_eq!(cap.xe.len(), n_ctx * n_embd, "{arch}: the experts' input");
+        assert!(cap.xe.iter().zip(&cap.x).any(|(a, b)| (a - b).abs() > 1e-3 * a.abs().max(1.0)), "{arch}: the router reads what the experts read");
+    }
+    // gemma4's per-expert scale on the experts' outputs (Gemma 4's per_expert_scale)
+    let down_scale = gguf_f32_opt(&model_path, &format!("blk.{block}.ffn_down_exps.scale"));
+    assert_eq!(down_scale.is_some(), gemma4, "{arch}: ffn_down_exps.scale");
 
     let (router, _) = gguf_f32(&model_path, &format!("blk.{block}.ffn_gate_inp.weight"));
     // nemotron_h_moe's experts have no gate: down·relu²(up·x)
@@ -406,6 +463,7 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
         // what the experts read: x, or its latent
         let xe: Vec<f64> = match &latent_down {
             Some(w) => (0..n_io).map(|r| dot_row(w, n_embd, n_io, 0, r, &x)).collect(),
+            None if gemma4 => cap.xe[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect(),
             None => x.clone(),
         };
         // softmax router, top-k, renormalised or not
@@ -457,7 +515,11 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
                 .map(|i| {
                     let b = dot_row(&up, n_io, n_ff, e, i, &xe) + b_at(&up_b, e * n_ff + i);
                     let Some(gate) = &gate else { return b.max(0.0).powi(2) };
-                    let a = dot_row(gate, n_embd, n_ff, e, i, &x) + b_at(&gate_b, e * n_ff + i);
+                    let a = dot_row(gate, n_embd, n_ff, e, i, &xe) + b_at(&gate_b, e * n_ff + i);
+                    if gemma4 {
+                        // GEGLU, ggml's GELU
+                        return ggml_gelu(a) * b;
+                    }
                     if gpt_oss {
                         // gpt-oss's clamped SwiGLU (alpha 1.702, limit 7)
                         let (a, b) = (a.min(7.0), b.clamp(-7.0, 7.0));
@@ -471,7 +533,8 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
                     }
                 })
                 .collect();
-            let f: Vec<f64> = (0..n_io).map(|o| dot_row(&down, n_ff, n_io, e, o, &h) + b_at(&down_b, e * n_io + o)).collect();
+            let sc = down_scale.as_ref().map_or(1.0, |v| v[e] as f64);
+            let f: Vec<f64> = (0..n_io).map(|o| sc * dot_row(&down, n_ff, n_io, e, o, &h) + b_at(&down_b, e * n_io + o)).collect();
             let norm = f.iter().map(|v| v * v).sum::<f64>().sqrt();
             count[e] += 1;
             reap[e] += g * norm;
