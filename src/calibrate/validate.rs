@@ -45,13 +45,12 @@ pub fn before_loading(plan: &mut super::Plan) -> Result<(PathBuf, ModelHeader, O
     if let Some(servers) = &plan.args.rpc {
         rpc_servers(servers)?;
     }
-    // llama.cpp's llama4 graph multiplies the experts' inputs by the gate (llama-graph.cpp,
-    // weight_before_ffn), so there is no unweighted expert output to take the norm of
-    if header.arch == INPUT_WEIGHTED_ARCH && plan.reap_out.is_some() {
+    // archs whose graph gives no per-expert output to take the norm of, or two alike
+    if let Some(why) = no_reap(&header.arch, &model).filter(|_| plan.reap_out.is_some()) {
         if plan.args.reap_out.is_some() || plan.args.trace_out.is_some() {
-            bail!(UsageError(format!("--reap-out/--trace-out: {}", input_weighted(&model))));
+            bail!(UsageError(format!("--reap-out/--trace-out: {why}")));
         }
-        eprintln!("notice: {}: imatrix only, no saliency JSON or routing trace", input_weighted(&model));
+        eprintln!("notice: {why}: imatrix only, no saliency JSON or routing trace");
         plan.reap_out = None;
     }
     if !header.is_moe() && plan.reap_out.is_some() {
@@ -150,14 +149,25 @@ pub fn nextn_blocks(model: &Path, h: &ModelHeader) -> Result<Vec<u32>> {
     }
 }
 
-/// The architecture whose gate weights the experts' inputs (Llama 4).
-pub const INPUT_WEIGHTED_ARCH: &str = "llama4";
-
-pub fn input_weighted(model: &Path) -> String {
-    format!(
-        "{} is a llama4 model: llama.cpp multiplies its experts' inputs by the router's gate, not their outputs, so REAP saliency (gate × ‖expert output‖) is not defined for it",
-        model.display()
-    )
+/// Why the REAP sums and the routing trace of `arch` are not collected (the imatrix is), if
+/// they are not:
+/// - llama4: llama.cpp's graph multiplies the experts' inputs by the gate (llama-graph.cpp,
+///   weight_before_ffn), so there is no unweighted expert output to take the norm of;
+/// - grovemoe: each block runs two MoE passes on the same routing (its experts, then the
+///   adjugate experts of their groups, `ffn_*_chexps`), and llama.cpp names both passes'
+///   nodes alike (`ffn_moe_topk-N`, `ffn_moe_down-N`, …), so one layer's sums would mix them.
+pub fn no_reap(arch: &str, model: &Path) -> Option<String> {
+    match arch {
+        "llama4" => Some(format!(
+            "{} is a llama4 model: llama.cpp multiplies its experts' inputs by the router's gate, not their outputs, so REAP saliency (gate × ‖expert output‖) is not defined for it",
+            model.display()
+        )),
+        "grovemoe" => Some(format!(
+            "{} is a grovemoe model: llama.cpp runs two MoE passes in each block (the experts, then their groups' adjugate experts) whose graph nodes carry the same names, so REAP sums per expert cannot be told apart",
+            model.display()
+        )),
+        _ => None,
+    }
 }
 
 /// Why a model whose layers use different numbers of experts per token cannot be traced.

@@ -110,8 +110,8 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
         crate::formats::atomic::check_writable(p).map_err(|e| UsageError(format!("--trace-out {e}")))?;
     }
     let header = crate::formats::gguf_header::read_model("-m", &args.model)?;
-    if header.arch == crate::calibrate::validate::INPUT_WEIGHTED_ARCH && !args.no_trace {
-        bail!(UsageError(format!("{}; its routing cannot be traced here", crate::calibrate::validate::input_weighted(&args.model))));
+    if let Some(why) = crate::calibrate::validate::no_reap(&header.arch, &args.model).filter(|_| !args.no_trace) {
+        bail!(UsageError(format!("{why}; its routing cannot be traced here")));
     }
     if let Some(ks) = header.varying_k().filter(|_| !args.no_trace) {
         bail!(UsageError(crate::calibrate::validate::one_k_per_trace(&args.model, &ks)));

@@ -154,6 +154,10 @@ fn flags_refused_before_loading() {
     let out = run(Command::new(ours()).args(["trace-decode", "-m"]).arg(&l4).args(["-f"]).arg(repo().join("corpus/prompts.txt")).args(["--trace-out"]).arg(d.join("d.bin")));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("its routing cannot be traced here"), "{}", String::from_utf8_lossy(&out.stderr));
+    // grovemoe's two MoE passes per block carry the same node names: likewise
+    let grove = d.join("grovemoe-header.gguf");
+    with_kv(&m, &grove, |_| "general.architecture".into(), &gguf_string("grovemoe"));
+    refused_early(&calibrate_in(&d, &grove, &["-f", &c, "--trace-out", "t.bin"]), &["is a grovemoe model", "cannot be told apart"]);
     let out = run(Command::new(ours()).args(["trace-decode", "-m"]).arg(&per_layer).args(["-f"]).arg(repo().join("corpus/prompts.txt")).args(["--trace-out"]).arg(d.join("d.bin")));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("different number of experts per token"), "{}", String::from_utf8_lossy(&out.stderr));

@@ -614,8 +614,9 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
 #[test]
 fn device_expert_stats_equal_the_host_computation_to_rounding() {
     let server = RpcServer::start();
-    // gpt-oss: the statistics are of the biased outputs (ffn_moe_down_biased), on both paths
-    for (key, model) in [("one-pass", fixture("qwen3moe")), ("two-pass", fixture_with("n-embd-192", &["--n-embd", "192"])), ("gpt-oss", fixture("gpt-oss"))] {
+    // gpt-oss: the statistics are of the biased outputs (ffn_moe_down_biased), gemma4: of the
+    // scaled ones (ffn_moe_down_scaled), on both paths
+    for (key, model) in [("one-pass", fixture("qwen3moe")), ("two-pass", fixture_with("n-embd-192", &["--n-embd", "192"])), ("gpt-oss", fixture("gpt-oss")), ("gemma4", fixture("gemma4"))] {
         device_expert_stats_match(&server, key, &model);
     }
 }

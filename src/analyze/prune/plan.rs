@@ -70,6 +70,11 @@ pub fn model_per_expert(name: &str) -> Result<Option<u32>, String> {
             _ => Err(format!("tensor {name}: a router tensor prune does not know how to slice (per expert: .weight, .bias; per input column: .scale)")),
         };
     }
+    if base.ends_with("_chexps") {
+        // GroveMoE's adjugate experts: llama.cpp picks one by expert id / the group size
+        // (`n_group_experts`), so renumbering the kept experts would hand tokens another group's
+        return Err(format!("tensor {name}: GroveMoE's adjugate experts, picked by expert id / group size; pruning renumbers the experts and would break that mapping"));
+    }
     if base.ends_with("_exps") && !NOT_PER_EXPERT.contains(&base) {
         return Err(format!("tensor {name}: a per-expert tensor prune does not know how to slice"));
     }
@@ -374,6 +379,7 @@ mod tests {
         assert_eq!(model_per_expert("blk.1.ffn_norm_exps.weight"), Ok(None));
         assert_eq!(model_per_expert("token_embd.weight"), Ok(None));
         assert!(model_per_expert("blk.1.ffn_other_exps.weight").is_err());
+        assert!(model_per_expert("blk.1.ffn_gate_chexps.weight").unwrap_err().contains("GroveMoE"));
         // Gemma 4's router input scale is per input column; an unknown router tensor is refused
         assert_eq!(model_per_expert("blk.1.ffn_gate_inp.scale"), Ok(None));
         assert!(model_per_expert("blk.1.ffn_gate_inp.other").unwrap_err().contains("router tensor"));
