@@ -266,7 +266,9 @@ pub fn run(args: &CheckArgs) -> Result<i32> {
             rep.notes.push(format!("trace {}: header says 0 rows; read the {} rows present", p.display(), t.n_rows));
         }
         trace_rows = Some(t.n_rows);
-        let phases = check_trace(&t, args.top, &mut rep);
+        // the candidates' upper bound, where the JSON says what the router computes
+        let at_most_one = s.as_ref().and_then(|s| s.routing().probs_at_most_one());
+        let phases = check_trace(&t, args.top, at_most_one, &mut rep);
         if let Some(s) = &s {
             compare_trace(&t, s, normalised, &phases, &mut rep);
         }
@@ -340,7 +342,10 @@ pub struct PhaseCounts {
 
 /// What a trace must satisfy on its own (any trace; a decode trace also its sequence layout).
 /// Returns the selection counts recomputed from its rows, per phase.
-pub fn check_trace(t: &TraceReader, top: usize, rep: &mut Report) -> PhaseCounts {
+/// `at_most_one`: the router's probabilities are at most 1 (softmax, sigmoid), not bounded
+/// (sqrt-softplus), or not known (no JSON): then only ≥ 0 is checked.
+pub fn check_trace(t: &TraceReader, top: usize, at_most_one: Option<bool>, rep: &mut Report) -> PhaseCounts {
+    let bound = if at_most_one == Some(true) { 1.0 } else { f32::INFINITY };
     let h = &t.header;
     let (nl, ne, k) = (h.n_layers(), h.n_expert as usize, h.k as usize);
     let decode_trace = h.flags & FLAG_DECODE != 0;
@@ -391,7 +396,7 @@ pub fn check_trace(t: &TraceReader, top: usize, rep: &mut Report) -> PhaseCounts
             } else if h.flags & FLAG_NORMALISED != 0 && !close(w.iter().map(|&x| x as f64).sum(), 1.0, 1e-4) {
                 bad_norm.get_or_insert(i);
             }
-            if cp.iter().any(|p| !p.is_finite() || !(0.0..=1.0).contains(p)) || cp.windows(2).any(|x| x[1] > x[0]) {
+            if cp.iter().any(|p| !p.is_finite() || !(0.0..=bound).contains(p)) || cp.windows(2).any(|x| x[1] > x[0]) {
                 bad_cand.get_or_insert(i);
             }
         }
@@ -408,7 +413,12 @@ pub fn check_trace(t: &TraceReader, top: usize, rep: &mut Report) -> PhaseCounts
     if h.flags & FLAG_NORMALISED != 0 {
         rep.check(bad_norm.is_none(), format!("gate weights sum to 1 over the top-k (normalised gating){}", at(bad_norm)));
     }
-    rep.check(bad_cand.is_none(), format!("router candidates' probabilities in [0, 1], best first{}", at(bad_cand)));
+    let range = match at_most_one {
+        Some(true) => "probabilities in [0, 1]",
+        Some(false) => "scores ≥ 0 (sqrt(softplus): not bounded by 1)",
+        None => "probabilities ≥ 0 (the bound 1 needs the JSON's routing)",
+    };
+    rep.check(bad_cand.is_none(), format!("router candidates' {range}, best first{}", at(bad_cand)));
     if decode_trace {
         let what = "sequences 0, 1, … in order, each at positions 0, 1, …, its prompt (prefill) before its generated tokens (decode)";
         match &bad_seq {

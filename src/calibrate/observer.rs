@@ -175,10 +175,17 @@ fn leftover_reads(n: usize, chunk: i32) -> String {
     format!("{n} reads were left for the end of a graph that has no {RESULT_OUTPUT} node; run with REAP_DEFER=0 (chunk {chunk})")
 }
 
-/// The token-embedding lookup (`GET_ROWS` of `inp_tokens`) opens every ubatch's graph.
+/// The token-embedding lookup (`GET_ROWS` of `inp_tokens` from `token_embd`) opens every
+/// ubatch's graph. Other lookups by token id come later in the graph and are not a new
+/// ubatch: DeepSeek-V4's hash-routed blocks read each token's experts from
+/// `blk.N.ffn_gate_tid2eid` by `inp_tokens` (taken for a new ubatch before, which failed the
+/// run: the rows did not match).
 fn is_ubatch_start(node: Node<'_>) -> bool {
-    node.info().op == sys::GGML_OP_GET_ROWS && node.src(1).is_some_and(|s| s.name() == "inp_tokens")
+    node.info().op == sys::GGML_OP_GET_ROWS && node.src(1).is_some_and(|s| s.name() == "inp_tokens") && node.src(0).is_some_and(|t| t.name() == TOKEN_EMBD)
 }
+
+/// The token embedding table (`LLM_TENSOR_TOKEN_EMBD`).
+const TOKEN_EMBD: &str = "token_embd.weight";
 
 /// The MTP graph's token-embedding lookup (a `GET_ROWS` of its unnamed token input, named
 /// `mtp_tok_embd-N` by most graphs; bailingmoe3's leaves it unnamed, so it is known by the
@@ -190,7 +197,7 @@ fn is_mtp_ubatch_start(node: Node<'_>) -> bool {
         && (node.name().starts_with("mtp_tok_embd")
             || node.src(0).is_some_and(|t| {
                 let n = t.name();
-                n == "token_embd.weight" || (n.starts_with("blk.") && n.ends_with(".nextn.embed_tokens.weight"))
+                n == TOKEN_EMBD || (n.starts_with("blk.") && n.ends_with(".nextn.embed_tokens.weight"))
             }))
 }
 
@@ -303,7 +310,8 @@ impl CalibrationObserver {
             return;
         }
         let t = r.trace.as_mut().unwrap();
-        let sources = &r.batch.ubatches[u];
+        // (a ubatch the plan does not have has already failed the run: check_ubatch_tokens)
+        let Some(sources) = r.batch.ubatches.get(u) else { return };
         t.add_ubatch(&header.layout(), &mut r.sums.routing, sources);
     }
 

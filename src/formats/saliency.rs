@@ -116,6 +116,12 @@ impl Routing {
         self.probs_op.as_deref().map(|op| op == "SOFT_MAX" || self.probs_from_logits == Some(true))
     }
 
+    /// Whether the router's probabilities are bounded by 1: softmax and sigmoid are;
+    /// DeepSeek-V4's sqrt(softplus(logit)) (`probs_op` SQRT) is not. None: not recorded.
+    pub fn probs_at_most_one(&self) -> Option<bool> {
+        self.probs_op.as_deref().map(|op| op != "SQRT")
+    }
+
     pub fn applied_gate(&self) -> Option<AppliedGate> {
         Some(AppliedGate::of_node(self.weights_node.as_deref()?))
     }

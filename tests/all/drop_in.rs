@@ -248,6 +248,26 @@ fn gemma4_is_byte_identical() {
     }
 }
 
+/// deepseek4 (DeepSeek-V4's layout): four hyper-connection streams mixed around every
+/// sublayer, q through a normed latent, one k/v head, sinks, grouped low-rank output, the
+/// sliding window, compressed sparse attention with the lightning indexer in the last block;
+/// block 0 routed by token id (`ffn_gate_tid2eid`: the graph's second lookup of `inp_tokens`,
+/// once taken for a new ubatch), the others by sqrt(softplus) scores with the selection bias,
+/// renormalised and scaled; one sequence per batch and two.
+#[test]
+fn deepseek4_is_byte_identical() {
+    for (key, c, b) in [("deepseek4-c256", "256", "256"), ("deepseek4-c128-b256", "128", "256")] {
+        let p = run_both(key, &fixture("deepseek4"), "imatrix.gguf", &args(&["-c", c, "-b", b]));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        let m = imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap();
+        // the hyper-connection mixes are matmuls too; the hash block's experts have entries
+        for t in ["blk.0.hc_attn_fn", "blk.0.ffn_down_exps", "blk.3.attn_compressor_kv", "blk.3.indexer.proj"] {
+            assert!(m.entries.contains_key(&format!("{t}.weight")), "{key}: {t}");
+        }
+    }
+}
+
 /// bailingmoe3 (Ling-3.0's layout): Kimi Delta Attention blocks (three causal convolutions, the
 /// per-channel decay bounded below, the delta rule, the gated per-head norm) with full
 /// attention every fourth block (multi-head latent attention behind a head-wise gate), a dense

@@ -5,7 +5,7 @@ use std::process::Command;
 
 #[test]
 fn upstream_perplexity_runs_every_fixture_arch() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3", "gemma4"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3", "gemma4", "deepseek4"] {
         let model = fixture(arch);
         let out = run_ok(Command::new(reference_bin("llama-perplexity")).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-c", "256", "--chunks", "3", "-t", "2"]).args(cpu_flags(arch)));
         // llama-perplexity prints the final estimate through its logger (stderr)

@@ -19,12 +19,13 @@ fn check(dir: &Path, args: &[&str]) -> std::process::Output {
 
 #[test]
 fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
-    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3", "gemma4"] {
+    for arch in ["qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3", "gemma4", "deepseek4"] {
         let d = temp_dir(&format!("reap-check-{arch}"));
         // cohere2moe, step35, mimo2, hy_v3, bailingmoe3: glm4moe's block 0 dense too
         let glm_like = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"].contains(&arch);
         let nemotron = arch == "nemotron_h_moe";
-        let sigmoid = glm_like || arch == "minimax-m2" || nemotron;
+        // (deepseek4's sqrt(softplus) is no softmax either)
+        let sigmoid = glm_like || arch == "minimax-m2" || nemotron || arch == "deepseek4";
         calibrate(&d, &fixture(arch), &[&["-c", "256", "-b", "512", "--chunks", "6", "--trace-out", "t.bin"][..], cpu_flags(arch)].concat());
         let out = check(&d, &["--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]);
         let text = String::from_utf8_lossy(&out.stdout);
@@ -46,7 +47,7 @@ fn check_passes_on_every_fixture_arch_with_imatrix_and_trace() {
         let want = if glm_like { vec![1, 2, 3] } else if nemotron { vec![1, 3] } else { vec![0, 1, 2, 3] };
         assert_eq!(blocks, want, "{arch}");
         assert_eq!(s.routing().softmax(), Some(!sigmoid), "{arch}");
-        if !["qwen2moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "hy_v3", "bailingmoe3"].contains(&arch) && !nemotron {
+        if !["qwen2moe", "deepseek2", "glm-dsa", "deepseek32", "cohere2moe", "step35", "hy_v3", "bailingmoe3", "deepseek4"].contains(&arch) && !nemotron {
             // qwen3moe divides by the picks' sum, gpt-oss takes the softmax over the picks
             assert!(text.contains("gate weights sum to 1 over the top-k (normalised gating)"), "{arch}:\n{text}");
         } else {
@@ -259,8 +260,8 @@ fn f16_round(x: f64) -> f64 {
     r * ulp
 }
 
-/// An f32 tensor of a GGUF file, read through the gguf C API.
-pub fn gguf_f32(path: &Path, name: &str) -> (Vec<f32>, [i64; 4]) {
+/// A tensor of a GGUF file of type `ty` (4-byte elements), read through the gguf C API.
+fn gguf_words(path: &Path, name: &str, ty: sys::ggml_type) -> (Vec<[u8; 4]>, [i64; 4]) {
     let fname = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
     let tname = std::ffi::CString::new(name).unwrap();
     unsafe {
@@ -269,14 +270,25 @@ pub fn gguf_f32(path: &Path, name: &str) -> (Vec<f32>, [i64; 4]) {
         assert!(!g.is_null());
         let t = sys::ggml_get_tensor(ctx, tname.as_ptr());
         assert!(!t.is_null(), "{name} missing");
-        assert_eq!((*t).type_, sys::GGML_TYPE_F32, "{name} is not f32");
-        let n = sys::ggml_nelements(t) as usize;
-        let v = std::slice::from_raw_parts((*t).data as *const f32, n).to_vec();
+        assert_eq!((*t).type_, ty, "{name} is not of type {ty}");
+        let v = std::slice::from_raw_parts((*t).data as *const [u8; 4], sys::ggml_nelements(t) as usize).to_vec();
         let ne = (*t).ne;
         sys::gguf_free(g);
         sys::ggml_free(ctx);
         (v, ne)
     }
+}
+
+/// An I32 tensor of a GGUF file (deepseek4's table of expert ids).
+fn gguf_i32(path: &Path, name: &str) -> (Vec<i32>, [i64; 4]) {
+    let (w, ne) = gguf_words(path, name, sys::GGML_TYPE_I32);
+    (w.into_iter().map(i32::from_ne_bytes).collect(), ne)
+}
+
+/// An f32 tensor of a GGUF file.
+pub fn gguf_f32(path: &Path, name: &str) -> (Vec<f32>, [i64; 4]) {
+    let (w, ne) = gguf_words(path, name, sys::GGML_TYPE_F32);
+    (w.into_iter().map(f32::from_ne_bytes).collect(), ne)
 }
 
 /// Row `r` of matrix `e` of a `[cols, rows, n_mat]` tensor, times x, in f64.
@@ -348,6 +360,9 @@ fn saliency_sums_equal_an_independent_computation_from_the_weights() {
     independent_computation("hy_v3", false);
     // bailingmoe3: deepseek2's routing (scaled by 2.5), block 1 after Kimi Delta Attention
     independent_computation("bailingmoe3", false);
+    // deepseek4: block 1 by sqrt(softplus) scores with the selection bias, renormalised and
+    // scaled by 1.5, behind the hyper-connection mix; block 0's picks and counts by its table
+    independent_computation("deepseek4", false);
     // gemma4: a softmax over the router's own scaled RMSNorm of the block's input, renormalised;
     // GEGLU experts on another RMSNorm of it (read from the graph), each output times its
     // ffn_down_exps.scale
@@ -366,6 +381,8 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
     let gpt_oss = arch == "gpt-oss";
     let nemotron = arch == "nemotron_h_moe";
     let sigmoid = ["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "minimax-m2", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"].contains(&arch);
+    // DeepSeek-V4's router: sqrt(softplus(logit))
+    let sqrt_softplus = arch == "deepseek4";
     // DeepSeek-V3's (GLM-5's, Nemotron-3's) routed_scaling_factor, on the renormalised gates
     let scale = match arch {
         "deepseek2" | "glm-dsa" | "deepseek32" => reap_imatrix::fixture::DEEPSEEK2_WEIGHTS_SCALE as f64,
@@ -373,6 +390,7 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
         "step35" => reap_imatrix::fixture::STEP35_WEIGHTS_SCALE as f64,
         "hy_v3" => reap_imatrix::fixture::HY_V3_WEIGHTS_SCALE as f64,
         "bailingmoe3" => reap_imatrix::fixture::BAILINGMOE3_WEIGHTS_SCALE as f64,
+        "deepseek4" => reap_imatrix::fixture::DEEPSEEK4_WEIGHTS_SCALE as f64,
         _ => 1.0,
     };
     // step35's SwiGLU limit in block 1 (the one examined); 0: none
@@ -447,7 +465,7 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
     // (hy_v3's loader names it without the suffix)
     let select_b = gguf_f32_opt(&model_path, &format!("blk.{block}.exp_probs_b.bias")).or_else(|| gguf_f32_opt(&model_path, &format!("blk.{block}.exp_probs_b")));
     // (cohere2moe's sigmoid router has none)
-    assert_eq!(select_b.is_some(), sigmoid && arch != "cohere2moe", "{arch}: exp_probs_b");
+    assert_eq!(select_b.is_some(), (sigmoid && arch != "cohere2moe") || sqrt_softplus, "{arch}: exp_probs_b");
 
     let mut count = vec![0u64; n_expert];
     let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
@@ -470,8 +488,13 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
         let logits: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x) + b_at(&router_b, e)).collect();
         let m = logits.iter().cloned().fold(f64::MIN, f64::max);
         let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
-        let probs: Vec<f64> =
-            if sigmoid { logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect() } else { logits.iter().map(|l| (l - m).exp() / z).collect() };
+        let probs: Vec<f64> = if sqrt_softplus {
+            logits.iter().map(|l| l.exp().ln_1p().sqrt()).collect()
+        } else if sigmoid {
+            logits.iter().map(|l| 1.0 / (1.0 + (-l).exp())).collect()
+        } else {
+            logits.iter().map(|l| (l - m).exp() / z).collect()
+        };
         let mut choice: Vec<f64> = (0..n_expert).map(|e| probs[e] + b_at(&select_b, e)).collect();
         let mut order: Vec<usize> = (0..n_expert).collect();
         order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]));
@@ -547,6 +570,23 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
         }
     }
     assert_eq!(count, lay.count);
+    if sqrt_softplus {
+        // block 0 routes by token id: its picks and counts are the table's rows for the tokens
+        let (table, ne) = gguf_i32(&model_path, "blk.0.ffn_gate_tid2eid.weight");
+        assert_eq!(ne[0] as usize, k);
+        let l0 = &s.layers[0];
+        assert_eq!(l0.layer, 0);
+        let mut hash_count = vec![0u64; n_expert];
+        for (t, &tok) in tokens[..n_ctx].iter().enumerate() {
+            let mut want: Vec<usize> = table[tok as usize * k..(tok as usize + 1) * k].iter().map(|&e| e as usize).collect();
+            want.iter().for_each(|&e| hash_count[e] += 1);
+            let mut got: Vec<usize> = trace.row(t as u64).sel_ids(0).iter().map(|&e| e as usize).collect();
+            want.sort();
+            got.sort();
+            assert_eq!(got, want, "{arch} token {t}: block 0's picks are not its table row");
+        }
+        assert_eq!(hash_count, l0.count, "{arch}: block 0's counts");
+    }
     if limit > 0.0 {
         // else the test could not tell a clamped SwiGLU from a plain one
         assert!(clamped * 20 > n_ctx * k * n_ff, "{arch}: the limit changed {clamped} of {} activations", n_ctx * k * n_ff);
@@ -571,7 +611,7 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
     assert_eq!(s.routing().probs_from_logits, Some(gpt_oss), "{arch}: metadata.routing.probs_from_logits");
     // -b 64 caps the ubatch (512 asked): the effective size is recorded, as ctx and batch are
     assert_eq!((s.metadata["run"]["batch"].as_u64(), s.metadata["run"]["ubatch"].as_u64()), (Some(64), Some(64)), "{arch}");
-    assert_eq!(s.routing().probs_op.as_deref() == Some("SOFT_MAX"), !gpt_oss && !sigmoid, "{arch}: metadata.routing.probs_op");
+    assert_eq!(s.routing().probs_op.as_deref() == Some("SOFT_MAX"), !gpt_oss && !sigmoid && !sqrt_softplus, "{arch}: metadata.routing.probs_op");
     assert_eq!(s.routing().normalised, Some(normalised), "{arch}: metadata.routing.normalised");
 
     // the reference's statistics: Σ p·‖f‖, Σ (p·‖f‖)², the largest element of f
