@@ -1219,3 +1219,55 @@ fn fused_gate_up_experts_calibrate_and_prune_as_the_unfused() {
         assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
     }
 }
+
+/// DeepSeek-V4 pruned end to end: calibrate, keep each block's live experts (28 of 32: the
+/// fixture's 4 dead ones go, and block 0's hash table names only live ones), prune with the
+/// imatrix, quantize with upstream llama-quantize and run upstream llama-perplexity; then the
+/// pruned f16 model, calibrated again, routes every token of every block (the hash block by
+/// its renumbered table) to the same experts as the original, by their original ids, with the
+/// same gates. A map that drops a live expert of block 0 is refused.
+#[test]
+fn a_deepseek4_model_with_a_hash_routed_block_prunes_quantizes_and_routes_as_before() {
+    let d = temp_dir("prune-deepseek4");
+    let model = fixture("deepseek4");
+    calibrate(&d, &model);
+    let sal = Saliency::read(&d.join("imatrix.reap.json")).unwrap();
+    let blocks: Vec<u32> = sal.layers.iter().map(|l| l.layer).collect();
+    assert_eq!(blocks, BLOCKS);
+    let keep: Vec<Vec<u16>> = sal.layers.iter().map(|l| (0..N_EXPERT).filter(|&e| l.count[e as usize] > 0).collect()).collect();
+    assert!(keep.iter().all(|k| k.len() == 28), "{:?}", keep.iter().map(Vec::len).collect::<Vec<_>>());
+    let map = write_map(&d.join("live.json"), map_json(&keep));
+    prune_ok(&model, &map, &d.join("p.gguf"), &["--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"]);
+    let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "p.imatrix.gguf", "p.gguf", "p.q4_0.gguf", "Q4_0"]));
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    let ppl = upstream_ppl(&d.join("p.q4_0.gguf"));
+    assert!(ppl.is_finite(), "PPL {ppl}");
+
+    let pd = d.join("pruned");
+    std::fs::create_dir_all(&pd).unwrap();
+    calibrate(&pd, &d.join("p.gguf"));
+    let (orig, pruned) = (trace_rows(&d.join("t.bin")), trace_rows(&pd.join("t.bin")));
+    assert_eq!(orig.len(), pruned.len());
+    for (i, (o, p)) in orig.iter().zip(&pruned).enumerate() {
+        assert_eq!((o.0, o.1, o.2), (p.0, p.1, p.2), "row {i}");
+        for (l, kept) in keep.iter().enumerate() {
+            let mut a: Vec<(u16, f32)> = o.3[l].iter().copied().zip(o.4[l].iter().copied()).collect();
+            let mut b: Vec<(u16, f32)> = p.3[l].iter().map(|&j| kept[j as usize]).zip(p.4[l].iter().copied()).collect();
+            a.sort_by_key(|x| x.0);
+            b.sort_by_key(|x| x.0);
+            assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), b.iter().map(|x| x.0).collect::<Vec<_>>(), "row {i} block {l}");
+            for (x, y) in a.iter().zip(&b) {
+                assert!(close(x.1 as f64, y.1 as f64, 1e-4), "row {i} block {l} expert {}: gate {} vs {}", x.0, x.1, y.1);
+            }
+        }
+    }
+
+    // dropping a live expert of the hash block: refused, nothing written
+    let r = Refusal::new("deepseek4-hash");
+    let mut k2 = keep.clone();
+    let live = k2[0].remove(5);
+    let dead = (0..N_EXPERT).find(|e| !keep[0].contains(e)).unwrap();
+    k2[0].push(dead);
+    k2[0].sort_unstable();
+    r.expect_on(&model, &r.map(map_json(&k2)), &[], &format!("block 0 routes by token id (blk.0.ffn_gate_tid2eid.weight names each token's experts; DeepSeek-V4's hash routing), and the map drops experts it names: {live}"));
+}
