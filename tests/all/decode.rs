@@ -32,8 +32,9 @@ fn trace_decode(model: &Path, prompts: &Path, trace: &Path, extra: &[&str]) -> V
 /// llama-simple prints the prompt, then each generated token's text, then a newline.
 #[test]
 fn greedy_decode_generates_what_llama_simple_generates() {
-    // and on Qwen3.5-MoE's hybrid layout, whose delta net state carries over token by token
-    for arch in ["qwen3moe", "qwen35moe"] {
+    // and on Qwen3.5-MoE's hybrid layout, whose delta net state carries over token by token,
+    // and DeepSeek-V4's (its hash block looks each fed token up in its table)
+    for arch in ["qwen3moe", "qwen35moe", "deepseek4"] {
         greedy_parity(arch);
     }
 }
