@@ -988,7 +988,7 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
     let (map, truth) = prune_and_trace(&d, &model, &keep, &blocks, "12");
     let ne = 32usize;
     let flags = keep_flags(&keep, ne);
-    let bias = selection_bias(&model, &blocks, ne).unwrap().expect("the model has exp_probs_b");
+    let bias = selection_bias(&model, &blocks, ne, &[]).unwrap().expect("the model has exp_probs_b");
     for (trace, name) in [(&full, "top-32"), (&top10, "top-10")] {
         if softmax && name == "top-10" {
             continue; // refused below
@@ -996,10 +996,10 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
         let tr = TraceReader::open(trace).unwrap();
         assert_eq!(tr.n_rows as usize, truth.len());
         let shape = Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
-        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: softmax, groups: None }), false);
-        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None, renormalise: false, groups: None }), false);
+        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: softmax, groups: None, fixed: None }), false);
+        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None, renormalise: false, groups: None, fixed: None }), false);
         // a softmax's p + b without the renormalisation
-        let mut unnormalised = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None }), false);
+        let mut unnormalised = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: None }), false);
         let (mut wrong_plain, mut wrong_unnormalised, mut undecided) = (0, 0, 0);
         for (t, want) in truth.iter().enumerate() {
             let row = tr.row(t as u64);
@@ -1130,10 +1130,10 @@ fn keep_map_rerouting_follows_a_group_routed_pruned_model() {
     let (map, truth) = prune_and_trace(&d, &model, &keep, &blocks, "16");
     let ne = 32usize;
     let flags = keep_flags(&keep, ne);
-    let bias = selection_bias(&model, &blocks, ne).unwrap().unwrap();
+    let bias = selection_bias(&model, &blocks, ne, &[]).unwrap().unwrap();
     let tr = TraceReader::open(&full).unwrap();
     let shape = Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
-    let grouped = Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: Some((4, 2)) };
+    let grouped = Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: Some((4, 2)), fixed: None };
     let (mut r, mut flat) = (Router::new(shape, Some(grouped), false), Router::new(shape, Some(Keep { groups: None, ..grouped }), false));
     let mut wrong_flat = 0;
     for (t, want) in truth.iter().enumerate() {
@@ -1262,6 +1262,46 @@ fn a_deepseek4_model_with_a_hash_routed_block_prunes_quantizes_and_routes_as_bef
         }
     }
 
+    // replay's re-routing: the hash block keeps the trace's picks (what the pruned model does
+    // there), the others follow score + bias; routing the hash block by its scores instead
+    // (the control) gets most rows wrong
+    {
+        use reap_imatrix::analyze::replay::engine::{Keep, Router, Shape};
+        use reap_imatrix::analyze::replay::gguf::{hash_blocks, selection_bias};
+        let ne = N_EXPERT as usize;
+        let hash = hash_blocks(&model, &blocks).unwrap();
+        assert_eq!(hash, vec![true, false, false, false]);
+        let flags = keep_flags(&keep, ne);
+        let bias = selection_bias(&model, &blocks, ne, &hash).unwrap().unwrap();
+        let tr = TraceReader::open(&d.join("t.bin")).unwrap();
+        let shape = Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
+        let mut fixed = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: Some(&hash) }), false);
+        let mut scored = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: None }), false);
+        let mut wrong_scored = 0;
+        for (t, p) in pruned.iter().enumerate() {
+            let row = tr.row(t as u64);
+            for (l, kept) in keep.iter().enumerate() {
+                let mut want: Vec<u16> = p.3[l].iter().map(|&j| kept[j as usize]).collect();
+                want.sort_unstable();
+                let mut got = fixed.route(&row, l).picks.to_vec();
+                got.sort_unstable();
+                assert_eq!(got, want, "row {t} block {l}: re-routed");
+                if l == 0 {
+                    let mut s = scored.route(&row, 0).picks.to_vec();
+                    s.sort_unstable();
+                    wrong_scored += usize::from(s != want);
+                }
+            }
+        }
+        assert!(wrong_scored * 2 > pruned.len(), "scoring the hash block re-routes only {wrong_scored} of {} rows wrongly", pruned.len());
+    }
+    let replay = |map: &Path| {
+        run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(d.join("t.bin")).arg("--keep-map").arg(map).arg("--model").arg(&model))
+    };
+    let o = replay(&map);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("block 0 routes by token id (ffn_gate_tid2eid): its picks are the trace's, not re-routed"), "{err}");
+
     // dropping a live expert of the hash block: refused, nothing written
     let r = Refusal::new("deepseek4-hash");
     let mut k2 = keep.clone();
@@ -1270,4 +1310,9 @@ fn a_deepseek4_model_with_a_hash_routed_block_prunes_quantizes_and_routes_as_bef
     k2[0].push(dead);
     k2[0].sort_unstable();
     r.expect_on(&model, &r.map(map_json(&k2)), &[], &format!("block 0 routes by token id (blk.0.ffn_gate_tid2eid.weight names each token's experts; DeepSeek-V4's hash routing), and the map drops experts it names: {live}"));
+    // and replay refuses it too
+    let o = replay(&write_map(&d.join("k2.json"), map_json(&k2)));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains(&format!("block 0 routes by token id (DeepSeek-V4's hash routing: ffn_gate_tid2eid), and the map drops expert {live}")), "{err}");
 }

@@ -132,11 +132,15 @@ pub struct Keep<'a> {
     /// group-limited routing (DeepSeek-V3): `(groups, groups used)`; the experts of group g
     /// are ids `g·n/groups .. (g+1)·n/groups`. Needs a trace listing every expert.
     pub groups: Option<(usize, usize)>,
+    /// per layer: routed by a fixed table, not by scores (DeepSeek-V4's hash-routed blocks,
+    /// `ffn_gate_tid2eid`): the pruned model's picks there are the trace's own (renumbered), so
+    /// those layers are not re-routed. The caller checks that the map keeps every such pick.
+    pub fixed: Option<&'a [bool]>,
 }
 
 impl<'a> From<&'a [bool]> for Keep<'a> {
     fn from(flags: &'a [bool]) -> Self {
-        Keep { flags, bias: None, renormalise: false, groups: None }
+        Keep { flags, bias: None, renormalise: false, groups: None, fixed: None }
     }
 }
 
@@ -221,7 +225,9 @@ impl<'a> Router<'a> {
     pub fn route<'r>(&'r mut self, row: &Row<'r>, li: usize) -> Routed<'r> {
         let k = self.shape.k;
         let ne = self.shape.n_expert;
-        match self.keep_layer(li) {
+        // a table-routed layer keeps the trace's picks (all kept: checked by the caller)
+        let fixed = self.keep.and_then(|kp| kp.fixed).is_some_and(|f| f.get(li) == Some(&true));
+        match self.keep_layer(li).filter(|_| !fixed) {
             None => {
                 let sel = row.sel_ids(li);
                 if self.want_ranks {

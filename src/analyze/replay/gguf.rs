@@ -32,27 +32,46 @@ fn open(model: &Path) -> Result<Gguf> {
     Ok(Gguf(g))
 }
 
+/// Which blocks of `layers` route by token id (DeepSeek-V4's `blk.L.ffn_gate_tid2eid.weight`).
+pub fn hash_blocks(model: &Path, layers: &[u32]) -> Result<Vec<bool>> {
+    let g = open(model)?;
+    Ok(layers
+        .iter()
+        .map(|l| {
+            let cn = CString::new(format!("blk.{l}.ffn_gate_tid2eid.weight")).unwrap();
+            // SAFETY: g is a live context.
+            unsafe { sys::gguf_find_tensor(g.0, cn.as_ptr()) >= 0 }
+        })
+        .collect())
+}
+
 /// The selection bias of each block in `layers` (`layers.len() × n_expert`, layer-major), or
 /// None when the model has none (a router that selects by its probabilities alone). A model
-/// with the bias in some of those blocks only is refused, naming the first block without it.
-pub fn selection_bias(model: &Path, layers: &[u32], n_expert: usize) -> Result<Option<Vec<f32>>> {
+/// with the bias in some of those blocks only is refused, naming the first block without it,
+/// but for the hash-routed blocks (`hash`), which have none (zeros there: never re-routed).
+pub fn selection_bias(model: &Path, layers: &[u32], n_expert: usize, hash: &[bool]) -> Result<Option<Vec<f32>>> {
     use std::os::unix::fs::FileExt as _;
     let g = open(model)?;
     let file = std::fs::File::open(model).with_context(|| format!("{}", model.display()))?;
     let mut out = Vec::with_capacity(layers.len() * n_expert);
-    let mut missing = None;
-    for &l in layers {
+    let (mut missing, mut found) = (None, 0);
+    for (li, &l) in layers.iter().enumerate() {
+        if hash.get(li) == Some(&true) {
+            out.extend(std::iter::repeat_n(0.0, n_expert));
+            continue;
+        }
         // `.bias` as most loaders name it; hy_v3's loader without the suffix
-        let found = [format!("blk.{l}.exp_probs_b.bias"), format!("blk.{l}.exp_probs_b")].into_iter().find_map(|name| {
+        let found_name = [format!("blk.{l}.exp_probs_b.bias"), format!("blk.{l}.exp_probs_b")].into_iter().find_map(|name| {
             let cn = CString::new(name.clone()).unwrap();
             // SAFETY: g is a live context.
             let id = unsafe { sys::gguf_find_tensor(g.0, cn.as_ptr()) };
             (id >= 0).then_some((name, id))
         });
-        let Some((name, id)) = found else {
+        let Some((name, id)) = found_name else {
             missing.get_or_insert(l);
             continue;
         };
+        found += 1;
         // SAFETY: g is a live context; id comes from gguf_find_tensor; ne points at 4 i64.
         let (ne, ty, off) = unsafe {
             let ne = std::slice::from_raw_parts(sys::gguf_get_tensor_ne(g.0, id), 4).to_vec();
@@ -71,7 +90,7 @@ pub fn selection_bias(model: &Path, layers: &[u32], n_expert: usize) -> Result<O
     }
     match missing {
         None => Ok(Some(out)),
-        Some(_) if out.is_empty() => Ok(None),
+        Some(_) if found == 0 => Ok(None),
         Some(l) => bail!("{}: block {l} has no blk.{l}.exp_probs_b.bias, other MoE blocks have one (a model of another layout?)", model.display()),
     }
 }

@@ -379,6 +379,21 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     if let Some((_, note)) = &validity {
         eprintln!("note: {note}");
     }
+    // DeepSeek-V4's hash-routed blocks: not re-routed (the pruned model's table keeps each
+    // token's experts), and refused where the map drops one of the trace's picks there, as
+    // prune refuses it
+    let hash = match (&km, &args.model, &keep_flags) {
+        (Some((p, _)), Some(model), Some(flags)) => {
+            let hash = gguf::hash_blocks(model, &h.layers).map_err(|e| usage(format!("--model: {e:#}")))?;
+            if let Some(li) = hash.iter().position(|&x| x) {
+                hash_picks_kept(p, &trace, &hash, flags, ne)?;
+                let w = format!("block {} routes by token id (ffn_gate_tid2eid): its picks are the trace's, not re-routed", h.layers[li]);
+                eprintln!("note: {w}");
+            }
+            Some(hash).filter(|v| v.iter().any(|&x| x))
+        }
+        _ => None,
+    };
     // the selection bias (and whether the router is a softmax) that re-routing follows
     let reroute = match (&km, &args.model) {
         (Some(_), Some(model)) => reroute_by(model, &trace, args.reap.as_deref())?,
@@ -474,6 +489,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
             bias: reroute.as_ref().map(|(b, _)| b.as_slice()),
             renormalise: reroute.as_ref().is_some_and(|(_, r)| *r),
             groups,
+            fixed: hash.as_deref(),
         }),
         &run_policies,
         &cap_layers,
@@ -563,6 +579,25 @@ fn picks_off_candidates(trace: &TraceReader, rows: &Rows) -> (u64, String) {
     ((0..first).map(off_in).sum(), format!("the trace's first {first} rows (none among the replayed rows)"))
 }
 
+/// Every pick of the trace in a hash-routed layer (`hash[li]`) must be kept by the map
+/// (`flags`, layer-major): the pruned model has no other expert for that token there.
+fn hash_picks_kept(map: &Path, trace: &TraceReader, hash: &[bool], flags: &[bool], ne: usize) -> Result<()> {
+    for i in 0..trace.n_rows {
+        let row = trace.row(i);
+        for (li, _) in hash.iter().enumerate().filter(|(_, &x)| x) {
+            if let Some(&e) = row.sel_ids(li).iter().find(|&&e| !flags[li * ne + e as usize]) {
+                return Err(usage(format!(
+                    "--keep-map {}: block {} routes by token id (DeepSeek-V4's hash routing: ffn_gate_tid2eid), and the map drops expert {e},                      which row {i} (token {}) is routed to there; prune refuses such a map",
+                    map.display(),
+                    trace.header.layers[li],
+                    row.token()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `replay --keep-map --model`: the model's selection bias per trace layer and whether its
 /// router is a softmax (so that pruning renormalises p, which moves the choice once a bias is
 /// added), or None when it has no bias. The model must be the trace's (its MoE blocks hold
@@ -573,7 +608,8 @@ fn reroute_by(model: &Path, trace: &TraceReader, reap: Option<&Path>) -> Result<
     let ne = h.n_expert as usize;
     let bad = |e: anyhow::Error| usage(format!("--model: {e:#}"));
     gguf::expert_bytes(model, &h.layers, ne).map_err(bad)?;
-    let Some(bias) = gguf::selection_bias(model, &h.layers, ne).map_err(bad)? else { return Ok(None) };
+    let hash = gguf::hash_blocks(model, &h.layers).map_err(bad)?;
+    let Some(bias) = gguf::selection_bias(model, &h.layers, ne, &hash).map_err(bad)? else { return Ok(None) };
     // The router's kind: as the trace's run saw it in the graph (--reap's metadata.routing),
     // else the model's expert_gating_func (llama_expert_gating_func_type: 1 softmax; 2
     // sigmoid and 4 sqrt-softplus, elementwise; 3 selection by the raw logits, whose softmax
