@@ -840,11 +840,13 @@ fn offloaded_through_rpc_is_byte_identical_and_reap_agrees_with_the_cpu() {
 }
 
 /// The same for Qwen3.5-MoE's and Qwen3-Next's hybrid trunks, two sequences per batch: the
-/// gated delta net's convolution and recurrent states live on the server with the weights.
+/// gated delta net's convolution and recurrent states live on the server with the weights;
+/// and for DeepSeek-V4's (its compressor states there too, the hash block's table read on the
+/// server) and Gemma 4's (the router's own input, the per-expert output scale).
 #[test]
 fn hybrid_models_offloaded_through_rpc_are_byte_identical_and_reap_agrees_with_the_cpu() {
     let server = RpcServer::start();
-    for arch in ["qwen35moe", "qwen3next"] {
+    for arch in ["qwen35moe", "qwen3next", "deepseek4", "gemma4"] {
         let model = fixture(arch);
         let flags = ["-c", "128", "-b", "256"];
         let cpu = temp_dir(&format!("rpc-cpu-{arch}"));

@@ -655,8 +655,8 @@ fn independent_computation_with(arch: &str, normalised: bool, groups: Option<(us
 fn device_expert_stats_equal_the_host_computation_to_rounding() {
     let server = RpcServer::start();
     // gpt-oss: the statistics are of the biased outputs (ffn_moe_down_biased), gemma4: of the
-    // scaled ones (ffn_moe_down_scaled), on both paths
-    for (key, model) in [("one-pass", fixture("qwen3moe")), ("two-pass", fixture_with("n-embd-192", &["--n-embd", "192"])), ("gpt-oss", fixture("gpt-oss")), ("gemma4", fixture("gemma4"))] {
+    // scaled ones (ffn_moe_down_scaled), on both paths; deepseek4: a hash-routed block 0 too
+    for (key, model) in [("one-pass", fixture("qwen3moe")), ("two-pass", fixture_with("n-embd-192", &["--n-embd", "192"])), ("gpt-oss", fixture("gpt-oss")), ("gemma4", fixture("gemma4")), ("deepseek4", fixture("deepseek4"))] {
         device_expert_stats_match(&server, key, &model);
     }
 }
