@@ -255,7 +255,7 @@ fn main() {
     let (x, down, ids) = (bytes_f32(&x), bytes_f32(&down), layers[0].topk.clone());
     let mut medians = Vec::new();
     for threads in [1, cores] {
-        let cfg = ImatrixConfig { chunk_size: i32::MAX, out_freq: 1, save_freq: 0, process_output: false };
+        let cfg = ImatrixConfig { chunk_size: i32::MAX, out_freq: 1, save_freq: 0, process_output: false, small_by_rows: false };
         let mut c = ImatrixCollector::new(cfg, Imatrix::default());
         c.pool = (threads > 1).then(|| Pool::new(threads));
         let times: Vec<f64> = (0..=runs)
@@ -299,7 +299,7 @@ fn main() {
         drain.push(reduced(format!("blk.{l}.ffn_gate_exps.weight"), n_embd, e, Some(up)));
         drain.push(reduced(format!("blk.{l}.ffn_down_exps.weight"), ffn, e, None));
     }
-    let cfg = ImatrixConfig { chunk_size: i32::MAX, out_freq: 1, save_freq: 0, process_output: false };
+    let cfg = ImatrixConfig { chunk_size: i32::MAX, out_freq: 1, save_freq: 0, process_output: false, small_by_rows: false };
     let mut c = ImatrixCollector::new(cfg, Imatrix::default());
     let times: Vec<f64> = (0..=runs)
         .map(|_| {

@@ -168,6 +168,11 @@ pub struct ImatrixArgs {
     #[arg(long = "nextn", help_heading = "REAP")]
     pub nextn: bool,
 
+    /// with --nextn: the nextn/MTP block is in this file, not in -m's (DeepSeek-V4's, as
+    /// convert_hf_to_gguf.py --mtp writes it: mtp-NAME.gguf)
+    #[arg(long = "nextn-model", value_name = "FILE", help_heading = "REAP")]
+    pub nextn_model: Option<PathBuf>,
+
     /// fast mode for offloaded layers: Σx² reduced on the device, only the sums copied to the
     /// host (not byte-identical to upstream; see docs/gpu.md)
     #[arg(long = "imatrix-on-device")]

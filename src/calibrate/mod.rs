@@ -57,7 +57,9 @@ pub struct Plan {
 }
 
 impl Plan {
-    pub fn from_args(args: ImatrixArgs) -> Result<Plan> {
+    pub fn from_args(mut args: ImatrixArgs) -> Result<Plan> {
+        // the block's own file says what to do with it
+        args.nextn |= args.nextn_model.is_some();
         let n_ctx = args.ctx_size;
         if n_ctx <= 0 {
             bail!(UsageError("imatrix tool requires '--ctx-size' > 0".into()));
@@ -183,6 +185,7 @@ impl Plan {
                 out_freq: self.args.output_frequency,
                 save_freq: self.args.save_frequency,
                 process_output: self.args.process_output,
+                small_by_rows: false,
             },
             Imatrix::default(),
         )
@@ -269,23 +272,40 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     // every flag is read before the model loads: a typo costs a second, not the load
     let mut params = model_params(&plan.args)?;
     let ctx_params = context_params(&plan)?;
+    // --nextn-model: the block's own file (DeepSeek-V4's), loaded beside the trunk
+    let nextn_file = if plan.args.nextn { validate::nextn_file(&plan.args, &model_path, &header)? } else { None };
+    // hashed beside the compute too (an MTP file is gigabytes)
+    let nextn_sha = nextn_file.as_ref().map(|(p, _)| {
+        let p = p.clone();
+        std::thread::spawn(move || Some((std::fs::metadata(&p).ok()?.len(), metadata::cached_sha256_file(&p).ok()?)))
+    });
     let nextn_blocks = if plan.args.nextn {
-        let b = validate::nextn_blocks(&model_path, &header)?;
-        params.load_mtp = true;
-        let own_head = b.iter().any(|b| header.tensors.contains_key(&format!("blk.{b}.nextn.shared_head_head.weight")));
+        let (p, h) = nextn_file.as_ref().map_or((&model_path, &header), |(p, h)| (p, h));
+        let b = validate::nextn_blocks(p, h)?;
+        params.load_mtp = nextn_file.is_none();
+        let own_head = b.iter().any(|b| h.tensors.contains_key(&format!("blk.{b}.nextn.shared_head_head.weight")));
         // a block without a router is dense (MiMo-V2's): imatrix entries, no REAP sums
-        let moe: Vec<bool> = b.iter().map(|b| header.tensors.contains_key(&format!("blk.{b}.ffn_gate_inp.weight"))).collect();
+        let moe: Vec<bool> = b.iter().map(|b| h.tensors.contains_key(&format!("blk.{b}.ffn_gate_inp.weight"))).collect();
         Some((b, moe, own_head))
     } else {
         None
     };
     let model = Model::load(&model_path, &params)?;
+    let nextn_model = match &nextn_file {
+        Some((p, _)) => Some(Model::load(p, &ModelParams { load_mtp: true, ..params.clone() }).map_err(|e| anyhow::anyhow!("--nextn-model {}: {e:#}", p.display()))?),
+        None => None,
+    };
+    let block_model = nextn_model.as_ref().unwrap_or(&model);
     if let Some((b, _, _)) = &nextn_blocks {
         // the MTP graph runs block n_layer + offset (llama_model_n_layer: the trunk's count):
         // the blocks with tensors must be those
-        let want: Vec<u32> = (0..model.n_layer_nextn().max(0) as u32).map(|i| model.n_layer() as u32 + i).collect();
+        let want: Vec<u32> = (0..block_model.n_layer_nextn().max(0) as u32).map(|i| block_model.n_layer() as u32 + i).collect();
+        let p = nextn_file.as_ref().map_or(&model_path, |(p, _)| p);
         if *b != want {
-            bail!("--nextn: {} has nextn tensors in blocks {b:?}, but llama.cpp loaded the nextn blocks {want:?} (nextn_predict_layers {})", model_path.display(), model.n_layer_nextn());
+            bail!("--nextn: {} has nextn tensors in blocks {b:?}, but llama.cpp loaded the nextn blocks {want:?} (nextn_predict_layers {})", p.display(), block_model.n_layer_nextn());
+        }
+        if block_model.n_embd_out() != model.n_embd_out() {
+            bail!("--nextn-model {}: its blocks read hidden states {} wide, -m {}'s trunk gives {}", p.display(), block_model.n_embd_out(), model_path.display(), model.n_embd_out());
         }
     }
     let reap = plan.reap_out.as_ref().map(|_| {
@@ -330,8 +350,13 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         observer.reap_by_layer = std::env::var("REAP_PARALLEL_LAYERS").map_or(true, |v| v != "0");
     }
     observer.capture_hidden = nextn_blocks.is_some();
+    if header.arch == "deepseek4" {
+        // the MTP block reads the trunk's hyper-connection streams as they leave the last
+        // block (llama.cpp's h_nextn there), not the normed final state
+        observer.hidden_node = format!("l_last-{}", model.n_layer() - 1);
+    }
     let mut ctx = Context::new(&model, &ctx_params, observer)?;
-    let mut nextn = nextn_blocks.map(|(b, moe, own_head)| nextn::NextnPass::new(&model, &ctx_params, b, moe, own_head, ctx.observer())).transpose()?;
+    let mut nextn = nextn_blocks.map(|(b, moe, own_head)| nextn::NextnPass::new(block_model, &ctx_params, b, moe, own_head, ctx.observer())).transpose()?;
     if plan.n_kv > model.n_ctx_train() {
         eprintln!("warning: model was trained on only {} context tokens ({} specified)", model.n_ctx_train(), plan.n_kv);
     }
@@ -388,6 +413,11 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
     let hashed: Vec<(PathBuf, u64, String)> = plan.model_shards.iter().zip(&shard_hashes).filter_map(|(p, h)| h.clone().map(|(size, sha)| (p.clone(), size, sha))).collect();
     let listed = if hashed.len() == plan.model_shards.len() { &hashed[..] } else { &[] };
     out.model_block = metadata::model_block(&model, &model_path, model_size, sha.as_deref(), listed);
+    let nextn_hashed = nextn_sha.and_then(|t| t.join().ok().flatten());
+    if let (Some((p, _)), Some((size, sha))) = (&nextn_file, &nextn_hashed) {
+        // a keep map carries it, and prune checks the MTP file against it
+        out.model_block["nextn_model"] = json!({"path": p.to_string_lossy(), "size": size, "sha256": sha});
+    }
     if let Some(reap_out) = &plan.reap_out {
         match ctx.observer().saliency() {
             Some(s) if !s.layers.is_empty() => {
@@ -418,6 +448,12 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         model_records.push(match hashed {
             Some((size, sha256)) => FileRecord { role: "model_shard".into(), path: p.clone(), size, sha256 },
             None => FileRecord::of("model_shard", p, &cwd)?,
+        });
+    }
+    if let Some((p, _)) = &nextn_file {
+        model_records.push(match &nextn_hashed {
+            Some((size, sha256)) => FileRecord { role: "nextn_model".into(), path: p.clone(), size: *size, sha256: sha256.clone() },
+            None => FileRecord::of("nextn_model", p, &cwd)?,
         });
     }
     write_manifest(&plan, argv, model_records, &extra, interrupted.as_ref().map(|(_, i)| i), out.coverage.clone())?;

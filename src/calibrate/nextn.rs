@@ -75,7 +75,7 @@ impl<'m> NextnPass<'m> {
         let mut state = Imatrix::default();
         state.stats.extend(main.imatrix.state.stats.iter().filter(|(n, _)| prefixes.iter().any(|p| n.starts_with(p))).map(|(n, s)| (n.clone(), s.clone())));
         // upstream's accumulation; the checkpoints are the trunk's (this collector never saves)
-        let cfg = ImatrixConfig { chunk_size: main.imatrix.cfg.chunk_size, out_freq: i32::MAX, save_freq: 0, process_output: false };
+        let cfg = ImatrixConfig { chunk_size: main.imatrix.cfg.chunk_size, out_freq: i32::MAX, save_freq: 0, process_output: false, small_by_rows: true };
         let reap = main.reap.as_ref().map(|_| ReapState::new(None));
         let mut obs = CalibrationObserver::new(ImatrixCollector::new(cfg, state), reap);
         // offloaded (-ngl with a GPU or --rpc), the patches' switches are process-wide, so the
@@ -97,7 +97,8 @@ impl<'m> NextnPass<'m> {
         let p = ContextParams { mtp: true, ..trunk.clone() };
         let ctx = Context::new(model, &p, obs).map_err(|e| anyhow::anyhow!("--nextn: the MTP context: {e:#}"))?;
         let batch = ctx.batch();
-        let n_embd = model.n_embd() as usize;
+        // the trunk's final hidden state (DeepSeek-V4: its streams, n_embd × 4)
+        let n_embd = model.n_embd_out() as usize;
         let all_outputs = own_head || model.meta_str("general.architecture").is_some_and(|a| FFN_ON_OUTPUTS_ONLY.contains(&a.as_str()));
         Ok(NextnPass { ctx, batch, n_embd, blocks, prefixes, moe, pending: vec![vec![0.0; n_embd]; trunk.n_seq_max.max(1) as usize], all_outputs })
     }

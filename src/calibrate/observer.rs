@@ -117,6 +117,8 @@ pub struct CalibrationObserver {
     /// `hidden`, row after row over the ubatches of a batch: the MTP pass's input
     pub capture_hidden: bool,
     pub hidden: Vec<f32>,
+    /// the node `capture_hidden` reads: `result_norm`, DeepSeek-V4's `l_last-{n_layer − 1}`
+    pub hidden_node: String,
     scratch_a: Vec<u8>,
     scratch_b: Vec<u8>,
 }
@@ -236,6 +238,7 @@ impl CalibrationObserver {
             imatrix_on_host: false,
             capture_hidden: false,
             hidden: Vec::new(),
+            hidden_node: RESULT_NORM.to_string(),
             scratch_a: Vec::new(),
             scratch_b: Vec::new(),
         }
@@ -584,7 +587,7 @@ fn is_reap_node(node: Node<'_>) -> bool {
 
 impl GraphObserver for CalibrationObserver {
     fn wants(&mut self, node: Node<'_>) -> bool {
-        if (self.stop_before_logits || self.capture_hidden) && node.name() == RESULT_NORM {
+        if (self.stop_before_logits && node.name() == RESULT_NORM) || (self.capture_hidden && node.name() == self.hidden_node) {
             return true;
         }
         // where a signal can stop the run with every collector at a ubatch boundary
@@ -647,7 +650,7 @@ impl CalibrationObserver {
             let on_host = self.collect_imatrix
                 && self.reducer.is_none()
                 && match (node.src(0), node.src(1)) {
-                    (Some(w), Some(x)) => imatrix::wants(op, imatrix::filter_tensor_name(w.name()), &x.info(), self.imatrix.cfg.process_output),
+                    (Some(w), Some(x)) => imatrix::wants(op, imatrix::filter_tensor_name(w.name()), &x.info(), &self.imatrix.cfg),
                     _ => false,
                 };
             if !on_host {
@@ -667,7 +670,7 @@ impl CalibrationObserver {
         }
         let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return false };
         let t = node.info();
-        if !imatrix::wants(t.op, imatrix::filter_tensor_name(src0.name()), &src1.info(), self.imatrix.cfg.process_output) {
+        if !imatrix::wants(t.op, imatrix::filter_tensor_name(src0.name()), &src1.info(), &self.imatrix.cfg) {
             return false;
         }
         // (not while reads wait for the end of the graph: they would come after this one)
@@ -754,7 +757,7 @@ impl CalibrationObserver {
                 return true;
             }
             match (node.src(0), node.src(1)) {
-                (Some(w), Some(x)) => !imatrix::wants(op, imatrix::filter_tensor_name(w.name()), &x.info(), self.imatrix.cfg.process_output) || !x.is_host(),
+                (Some(w), Some(x)) => !imatrix::wants(op, imatrix::filter_tensor_name(w.name()), &x.info(), &self.imatrix.cfg) || !x.is_host(),
                 _ => true,
             }
         })
@@ -937,10 +940,10 @@ impl CalibrationObserver {
             }
             self.tokens_begun += node.src(1).map_or(0, |s| s.info().ne[0].max(0) as u64);
         }
-        if self.capture_hidden && node.name() == RESULT_NORM {
+        if self.capture_hidden && node.name() == self.hidden_node {
             let t = node.info();
-            if t.ty != sys::GGML_TYPE_F32 || t.nb[0] != 4 || t.nb[1] != 4 * t.ne[0] as usize {
-                return self.fail(format!("{RESULT_NORM} is not a contiguous f32 [n_embd, T] tensor (chunk {})", self.chunk));
+            if t.ty != sys::GGML_TYPE_F32 || t.nb[0] != 4 || t.nb[1] != 4 * t.ne[0] as usize || t.nb[2] != t.nb[1] * t.ne[1] as usize {
+                return self.fail(format!("{} is not a contiguous f32 tensor of one row per token (chunk {})", self.hidden_node, self.chunk));
             }
             let data = node.bytes(&mut self.scratch_a);
             self.hidden.extend(data.chunks_exact(4).map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])));
@@ -1029,7 +1032,7 @@ impl CalibrationObserver {
         let op = node.info().op;
         let (Some(src0), Some(src1)) = (node.src(0), node.src(1)) else { return true };
         let wname = imatrix::filter_tensor_name(src0.name()).to_string();
-        if !imatrix::wants(op, &wname, &src1.info(), self.imatrix.cfg.process_output) {
+        if !imatrix::wants(op, &wname, &src1.info(), &self.imatrix.cfg) {
             return true; // asked for REAP only
         }
         let s1 = src1.info();

@@ -17,7 +17,7 @@ pub fn show(args: &ImatrixArgs) -> Result<()> {
     let loaded = crate::formats::imatrix::load(path).map_err(|e| UsageError(format!("{} is not a valid imatrix file: {e:#}", path.display())))?;
     // upstream reads the file before it adjusts n_ctx for batching: chunk size is plain -c
     // (it only scales legacy files)
-    let cfg = ImatrixConfig { chunk_size: args.ctx_size.max(1), out_freq: 1, save_freq: 0, process_output: false };
+    let cfg = ImatrixConfig { chunk_size: args.ctx_size.max(1), out_freq: 1, save_freq: 0, process_output: false, small_by_rows: false };
     let mut c = ImatrixCollector::new(cfg, Imatrix::default());
     c.merge(&loaded).map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
     let mut ts: Vec<TensorStats> = c.state.stats.iter().filter_map(|(n, s)| compute(n, s)).collect();

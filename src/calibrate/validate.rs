@@ -33,6 +33,7 @@ pub fn before_loading(plan: &mut super::Plan) -> Result<(PathBuf, ModelHeader, O
     inputs.extend(plan.args.file.iter().map(|f| ("-f", f.clone())));
     inputs.extend(plan.in_files.iter().map(|f| ("--in-file", f.clone())));
     inputs.extend(plan.args.domains.iter().map(|f| ("--domains", f.clone())));
+    inputs.extend(plan.args.nextn_model.iter().map(|f| ("--nextn-model", f.clone())));
     outputs_are_not_inputs(&plan.outputs(), &inputs)?;
     let text = match &plan.args.file {
         Some(f) => {
@@ -89,7 +90,10 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
         bail!(UsageError(one_k_per_trace(model, &ks)));
     }
     if a.nextn {
-        nextn_blocks(model, h)?;
+        match nextn_file(a, model, h)? {
+            Some((p, mh)) => nextn_blocks(&p, &mh)?,
+            None => nextn_blocks(model, h)?,
+        };
     }
     if let Some(n) = a.trace_top_n {
         if h.is_moe() && n < h.n_expert_used as usize {
@@ -113,7 +117,61 @@ pub fn against_model(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader
 
 /// The architectures whose nextn/MTP graph (`LLM_GRAPH_TYPE_DECODER_MTP` at the pin) `--nextn`
 /// drives: its input the trunk's final hidden state and the token embedding.
-pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"];
+pub const NEXTN_ARCHS: &[&str] = &["glm4moe", "deepseek2", "glm-dsa", "deepseek32", "qwen35moe", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3", "deepseek4"];
+
+/// Of those, the ones whose MTP block comes in a file of its own (`--nextn-model`):
+/// DeepSeek-V4's converter at the pin leaves it out of the model and writes it with `--mtp`
+/// (mtp-NAME.gguf: the block, the token embedding, the output norm and head, the block's own
+/// final stream mix), and the pin's loader takes such a file without the trunk's tensors.
+pub const SEPARATE_NEXTN_ARCHS: &[&str] = &["deepseek4"];
+
+/// `--nextn`: where the blocks are. None: in -m's file; else `--nextn-model`'s path and header,
+/// checked to belong to -m's model (the same arch, token embedding and head shapes, its blocks
+/// right after -m's trunk).
+pub fn nextn_file(a: &super::args::ImatrixArgs, model: &Path, h: &ModelHeader) -> Result<Option<(std::path::PathBuf, ModelHeader)>> {
+    let Some(p) = &a.nextn_model else {
+        if SEPARATE_NEXTN_ARCHS.contains(&h.arch.as_str()) && !h.tensors.keys().any(|n| n.ends_with(".nextn.eh_proj.weight")) {
+            bail!(UsageError(format!(
+                "--nextn: {} is {}, whose MTP block comes in a file of its own (convert_hf_to_gguf.py --mtp writes mtp-NAME.gguf): name it with --nextn-model",
+                model.display(),
+                h.arch
+            )));
+        }
+        return Ok(None);
+    };
+    if !SEPARATE_NEXTN_ARCHS.contains(&h.arch.as_str()) {
+        bail!(UsageError(format!(
+            "--nextn-model {}: -m {} is {}, whose nextn/MTP block is in the model's own file at the pin (a block in a file of its own: {})",
+            p.display(),
+            model.display(),
+            h.arch,
+            SEPARATE_NEXTN_ARCHS.join(", ")
+        )));
+    }
+    let mh = crate::formats::gguf_header::read_model("--nextn-model", p)?;
+    if mh.arch != h.arch {
+        bail!(UsageError(format!("--nextn-model {}: its architecture is {}, -m {}'s {}", p.display(), mh.arch, model.display(), h.arch)));
+    }
+    for t in ["token_embd.weight", "output.weight"] {
+        if let (Some(a), Some(b)) = (h.tensors.get(t), mh.tensors.get(t)) {
+            if a != b {
+                bail!(UsageError(format!("--nextn-model {}: its {t} is {:?}, -m {}'s {:?}: not the same model's", p.display(), &b[..2], model.display(), &a[..2])));
+            }
+        }
+    }
+    let blocks = nextn_blocks(p, &mh)?;
+    // the trunk's blocks are 0..n; the MTP graph runs block n
+    let trunk = h.tensors.keys().filter_map(|n| n.strip_prefix("blk.")?.split('.').next()?.parse::<u32>().ok()).max().map_or(0, |b| b + 1);
+    if blocks[0] != trunk {
+        bail!(UsageError(format!(
+            "--nextn-model {}: its MTP block is block {}, but -m {}'s trunk has {trunk} blocks (the block after them is {trunk}): not this model's",
+            p.display(),
+            blocks[0],
+            model.display()
+        )));
+    }
+    Ok(Some((p.clone(), mh)))
+}
 
 /// Of those, the ones whose files carry several MTP blocks, one graph running the block
 /// `llama_set_nextn_layer_offset` picks, chained as upstream's drafter chains them

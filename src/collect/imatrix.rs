@@ -26,6 +26,12 @@ pub struct ImatrixConfig {
     pub out_freq: i32,
     pub save_freq: i32,
     pub process_output: bool,
+    /// a MUL_MAT input is a small batch (not collected, as upstream skips batches under 16
+    /// tokens) by all its rows, not by ne[1]: the `--nextn` pass's, whose entries have no
+    /// upstream counterpart, so DeepSeek-V4's MTP `nextn.eh_proj`, which reads [2·n_embd, 4
+    /// streams, T], gets one (llama-quantize refuses a very-low-bit type without it). Upstream's
+    /// rule, and so parity, elsewhere.
+    pub small_by_rows: bool,
 }
 
 /// A checkpoint upstream would write at this moment: `at` is `Some(n)` for `.at_n` files.
@@ -59,18 +65,20 @@ pub fn filter_tensor_name(name: &str) -> &str {
 }
 
 /// Whether upstream asks for this node: every MUL_MAT_ID, and MUL_MAT on `blk.*` weights
-/// (or `output.weight` with --process-output) with at least 16 rows of F32 input.
-pub fn wants(op: sys::ggml_op, weight_name: &str, src1: &TensorInfo, process_output: bool) -> bool {
+/// (or `output.weight` with --process-output) with at least 16 rows of F32 input (ne[1], or
+/// all rows with `small_by_rows`).
+pub fn wants(op: sys::ggml_op, weight_name: &str, src1: &TensorInfo, cfg: &ImatrixConfig) -> bool {
     if op == sys::GGML_OP_MUL_MAT_ID {
         return true;
     }
     if op != sys::GGML_OP_MUL_MAT {
         return false;
     }
-    if src1.ne[1] < 16 || src1.ty != sys::GGML_TYPE_F32 {
+    let rows = if cfg.small_by_rows { src1.ne[1] * src1.ne[2] * src1.ne[3] } else { src1.ne[1] };
+    if rows < 16 || src1.ty != sys::GGML_TYPE_F32 {
         return false;
     }
-    weight_name.starts_with("blk.") || (process_output && weight_name == "output.weight")
+    weight_name.starts_with("blk.") || (cfg.process_output && weight_name == "output.weight")
 }
 
 impl ImatrixCollector {
@@ -427,7 +435,7 @@ mod tests {
     }
 
     fn collector(threads: usize) -> ImatrixCollector {
-        let cfg = ImatrixConfig { chunk_size: 1 << 30, out_freq: 1, save_freq: 0, process_output: false };
+        let cfg = ImatrixConfig { chunk_size: 1 << 30, out_freq: 1, save_freq: 0, process_output: false, small_by_rows: false };
         let mut c = ImatrixCollector::new(cfg, Imatrix::default());
         c.pool = (threads > 1).then(|| Pool::new(threads));
         c

@@ -129,6 +129,12 @@ impl Model {
         unsafe { sys::llama_model_n_embd(self.raw) }
     }
 
+    /// The width of a token's final hidden state (an MTP block's input): n_embd, but for
+    /// DeepSeek-V4 its hyper-connection streams (n_embd × their count).
+    pub fn n_embd_out(&self) -> i32 {
+        unsafe { sys::llama_model_n_embd_out(self.raw) }
+    }
+
     /// A string from the model's GGUF metadata (e.g. `general.architecture`).
     pub fn meta_str(&self, key: &str) -> Option<String> {
         let key = CString::new(key).ok()?;

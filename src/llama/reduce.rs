@@ -734,7 +734,7 @@ mod tests {
             let mut r = DeviceReducer::default();
             r.batching = true;
             let mut host = crate::collect::imatrix::ImatrixCollector::new(
-                crate::collect::imatrix::ImatrixConfig { chunk_size: 1 << 20, out_freq: 1 << 20, save_freq: 0, process_output: false },
+                crate::collect::imatrix::ImatrixConfig { chunk_size: 1 << 20, out_freq: 1 << 20, save_freq: 0, process_output: false, small_by_rows: false },
                 Default::default(),
             );
             for _ in 0..2 {

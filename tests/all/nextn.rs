@@ -941,3 +941,345 @@ fn nextn_refuses_what_it_cannot_run() {
     run_ok(Command::new(ours()).args(["prune", "-m"]).arg(fixture("glm4moe")).arg("--keep-map").arg(&map).arg("-o").arg(&trunk).arg("--drop-nextn"));
     refused(&trunk, &[], "has no nextn/MTP block with its own tensors");
 }
+
+/// A node's rows, ubatch after ubatch (the trunk's `l_last-N`: DeepSeek-V4's hyper-connection
+/// streams after the last block, what its MTP block reads).
+struct RowsOf(&'static str, Vec<f32>);
+
+impl GraphObserver for RowsOf {
+    fn wants(&mut self, node: Node<'_>) -> bool {
+        node.name() == self.0
+    }
+    fn observe(&mut self, node: Node<'_>) -> bool {
+        let mut s = Vec::new();
+        self.1.extend(node.bytes(&mut s).chunks_exact(4).map(|b| f32::from_ne_bytes(b.try_into().unwrap())));
+        true
+    }
+}
+
+/// The MTP graph's router input (contiguous rows of n_embd).
+struct RouterInput(String, Vec<f32>);
+
+impl GraphObserver for RouterInput {
+    fn wants(&mut self, node: Node<'_>) -> bool {
+        node.src(0).is_some_and(|s| s.name() == self.0)
+    }
+    fn observe(&mut self, node: Node<'_>) -> bool {
+        let t = node.src(1).unwrap();
+        let info = t.info();
+        let mut s = Vec::new();
+        let data = t.bytes(&mut s);
+        for tok in 0..info.ne[1] {
+            for j in 0..info.ne[0] {
+                let o = info.offset([j, tok, 0, 0]);
+                self.1.push(f32::from_ne_bytes(data[o..o + 4].try_into().unwrap()));
+            }
+        }
+        true
+    }
+}
+
+/// DeepSeek-V4's MTP block comes in a file of its own (convert_hf_to_gguf.py --mtp):
+/// `--nextn-model` runs it beside the trunk, fed the trunk's hyper-connection streams (n_embd ×
+/// 4 per token) of the token before, as upstream's drafter feeds it. The trunk's files are the
+/// run's without it; the block's REAP sums (sqrt-softplus scores, selection bias, renormalised
+/// gates × 1.5, the SwiGLU limit) and its experts' and router's imatrix entries equal an f64
+/// computation from its router input, captured in the MTP graph this test feeds itself; check
+/// accepts the files. And what it refuses: a deepseek4 model without the file, a file that is
+/// not the model's, the flag on an arch whose block is in the model's file.
+#[test]
+fn a_deepseek4_mtp_file_gets_the_sums_of_an_independent_computation() {
+    let d = temp_dir("nextn-deepseek4-mtp-file");
+    let (model_path, mtp_path) = (d.join("m.gguf"), d.join("mtp-m.gguf"));
+    run_ok(Command::new(ours()).args(["fixture", "--arch", "deepseek4", "--wtype", "f32", "--layers", "2", "-o"]).arg(&model_path).arg("--mtp-out").arg(&mtp_path));
+    let block = 2usize;
+    let (n_ctx, n_batch, n_chunk) = (64usize, 32usize, 2usize);
+    let flags = ["-c", "64", "-b", "32", "--chunks", "2", "--trace-out", "t.bin", "--save-frequency", "1"];
+    for sub in ["plain", "nextn"] {
+        std::fs::create_dir_all(d.join(sub)).unwrap();
+    }
+    let plain = calibrate(&d.join("plain"), &model_path, &flags);
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    let out = calibrate(&d.join("nextn"), &model_path, &[&flags[..], &["--nextn-model", mtp_path.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // the trunk's files are the run's without the block
+    assert_same_bytes(&d.join("plain/t.bin"), &d.join("nextn/t.bin"));
+    let (a, b) = (imatrix::load(&d.join("plain/i.gguf")).unwrap(), imatrix::load(&d.join("nextn/i.gguf")).unwrap());
+    for (name, e) in &a.entries {
+        let f = &b.entries[name];
+        assert!(e.counts == f.counts && e.sums.iter().map(|v| v.to_bits()).eq(f.sums.iter().map(|v| v.to_bits())), "{name} differs from the run without the block");
+    }
+    let mut entries = b.entries;
+    entries.retain(|n, _| !a.entries.contains_key(n));
+    assert!(!entries.is_empty() && entries.keys().all(|n| n.starts_with(&format!("blk.{block}."))), "{:?}", entries.keys().collect::<Vec<_>>());
+    let sp = Saliency::read(&d.join("plain/i.reap.json")).unwrap();
+    let s = Saliency::read(&d.join("nextn/i.reap.json")).unwrap();
+    assert_eq!(s.nextn_blocks, [block as u32]);
+    assert_eq!(s.trunk(), &sp.layers[..]);
+    let lay = s.layers.last().unwrap();
+    assert_eq!((lay.layer, lay.tokens), (block as u32, (n_ctx * n_chunk) as u64));
+    // the manifest records the block's file beside the model
+    let m = reap_imatrix::formats::manifest::Manifest::read(&d.join("nextn/i.manifest.json")).unwrap();
+    let rec = m.inputs.iter().find(|r| r.role == "nextn_model").expect("the manifest lists the MTP file");
+    assert_eq!((rec.path.as_path(), rec.size), (mtp_path.as_path(), std::fs::metadata(&mtp_path).unwrap().len()));
+    let want = serde_json::json!({"path": mtp_path.to_str(), "size": rec.size, "sha256": rec.sha256});
+    assert_eq!(s.metadata["model"]["nextn_model"], want);
+    // and reproduce re-runs it, the MTP file checked as an input
+    let r = run(Command::new(ours()).current_dir(d.join("nextn")).args(["reproduce", "i.manifest.json"]));
+    let text = String::from_utf8_lossy(&r.stdout).to_string() + &String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success() && text.contains("input nextn_model") && text.contains("every output is byte-identical"), "{text}");
+
+    // the same tokens through the trunk, then the MTP graph fed as upstream's drafter feeds it
+    let trunk_model = Model::load(&model_path, &ModelParams::default()).unwrap();
+    let mtp_model = Model::load(&mtp_path, &ModelParams { load_mtp: true, ..Default::default() }).unwrap();
+    let n_embd = trunk_model.n_embd() as usize;
+    let width = trunk_model.n_embd_out() as usize;
+    assert_eq!(width, 4 * n_embd, "DeepSeek-V4's four streams");
+    let mut text = std::fs::read(corpus()).unwrap();
+    text.pop();
+    let tokens = trunk_model.vocab().tokenize(&text, true, false).unwrap();
+    let p = ContextParams { n_ctx: n_ctx as u32, n_batch: n_batch as u32, n_ubatch: n_batch as u32, n_seq_max: 1, n_threads: 2, n_threads_batch: 2, flash_attn: -1, ..Default::default() };
+    let mut trunk = Context::new(&trunk_model, &p, RowsOf("l_last-1", Vec::new())).unwrap();
+    let mut mtp = Context::new(&mtp_model, &ContextParams { mtp: true, ..p.clone() }, RouterInput(format!("blk.{block}.ffn_gate_inp.weight"), Vec::new())).unwrap();
+    // what was fed: each row's token and state
+    let (mut fed_t, mut fed_h) = (Vec::new(), Vec::new());
+    for c in 0..n_chunk {
+        trunk.clear_memory();
+        mtp.clear_memory();
+        let chunk = &tokens[c * n_ctx..(c + 1) * n_ctx];
+        let mut prev = vec![0f32; width];
+        for j in 0..n_ctx / n_batch {
+            trunk.observer_mut().1.clear();
+            let mut b = trunk.batch();
+            for i in 0..n_batch {
+                b.add(chunk[j * n_batch + i], (j * n_batch + i) as i32, 0, true);
+            }
+            trunk.decode(&mut b).unwrap();
+            let hidden = trunk.observer().1.clone();
+            assert_eq!(hidden.len(), n_batch * width);
+            let mut m = mtp.batch();
+            for i in 0..n_batch {
+                m.add_with_state(chunk[j * n_batch + i], (j * n_batch + i) as i32, 0, false, &prev);
+                fed_t.push(chunk[j * n_batch + i] as usize);
+                fed_h.extend_from_slice(&prev);
+                prev.copy_from_slice(&hidden[i * width..(i + 1) * width]);
+            }
+            mtp.decode(&mut m).unwrap();
+        }
+    }
+    let rows = n_ctx * n_chunk;
+    let xs = mtp.into_observer().1;
+    assert_eq!(xs.len(), rows * n_embd);
+
+    let w = |t: &str| gguf_f32(&mtp_path, &format!("blk.{block}.{t}")).0;
+    let (router, sel_b, gate, up, down) = (w("ffn_gate_inp.weight"), w("exp_probs_b.bias"), w("ffn_gate_exps.weight"), w("ffn_up_exps.weight"), w("ffn_down_exps.weight"));
+    let (sh_gate, sh_up) = (w("ffn_gate_shexp.weight"), w("ffn_up_shexp.weight"));
+    let (n_expert, k) = (lay.n_expert, lay.n_expert_used);
+    let n_ff = up.len() / n_embd / n_expert;
+    let n_sh = sh_up.len() / n_embd;
+    let scale = reap_imatrix::fixture::DEEPSEEK4_WEIGHTS_SCALE as f64;
+    let limit = reap_imatrix::fixture::DEEPSEEK4_SWIGLU_LIMIT as f64;
+    let swiglu = |a: f64, b: f64| (a / (1.0 + (-a).exp())).min(limit) * b.clamp(-limit, limit);
+    let mut count = vec![0u64; n_expert];
+    let (mut reap, mut ean, mut prob) = (vec![0f64; n_expert], vec![0f64; n_expert], vec![0f64; n_expert]);
+    let (mut x_sq, mut sh_sq) = (vec![0f64; n_embd], vec![0f64; n_sh]);
+    let (mut x_sq_e, mut h_sq_e) = (vec![0f64; n_expert * n_embd], vec![0f64; n_expert * n_ff]);
+    for t in 0..rows {
+        let x: Vec<f64> = xs[t * n_embd..(t + 1) * n_embd].iter().map(|&v| v as f64).collect();
+        for (a, v) in x_sq.iter_mut().zip(&x) {
+            *a += v * v;
+        }
+        for (i, a) in sh_sq.iter_mut().enumerate() {
+            *a += swiglu(dot_row(&sh_gate, n_embd, n_sh, 0, i, &x), dot_row(&sh_up, n_embd, n_sh, 0, i, &x)).powi(2);
+        }
+        // sqrt(softplus(logit)), the choice by score + selection bias, gates renormalised × 1.5
+        let probs: Vec<f64> = (0..n_expert).map(|e| dot_row(&router, n_embd, n_expert, 0, e, &x).exp().ln_1p().sqrt()).collect();
+        let mut order: Vec<usize> = (0..n_expert).collect();
+        order.sort_by(|&a, &b| (probs[b] + sel_b[b] as f64).total_cmp(&(probs[a] + sel_b[a] as f64)));
+        let sel = &order[..k];
+        let wsum: f64 = sel.iter().map(|&e| probs[e]).sum();
+        for &e in sel {
+            let h: Vec<f64> = (0..n_ff).map(|i| swiglu(dot_row(&gate, n_embd, n_ff, e, i, &x), dot_row(&up, n_embd, n_ff, e, i, &x))).collect();
+            let f: Vec<f64> = (0..n_embd).map(|o| dot_row(&down, n_ff, n_embd, e, o, &h)).collect();
+            let norm = f.iter().map(|v| v * v).sum::<f64>().sqrt();
+            let g = scale * probs[e] / wsum;
+            count[e] += 1;
+            reap[e] += g * norm;
+            ean[e] += norm;
+            prob[e] += g;
+            for j in 0..n_embd {
+                x_sq_e[e * n_embd + j] += x[j] * x[j];
+            }
+            for i in 0..n_ff {
+                h_sq_e[e * n_ff + i] += h[i] * h[i];
+            }
+        }
+    }
+    assert_eq!(count, lay.count, "the MTP block's selection counts");
+    assert!(count.iter().filter(|&&c| c > 0).count() > k, "the block routes to more than k experts");
+    let rel = |a: f64, b: f64| (a - b).abs() / a.abs().max(b.abs()).max(1e-30);
+    for e in 0..n_expert {
+        assert!(rel(reap[e], lay.reap_l2_sum[e]) < 1e-5, "expert {e}: reap_l2_sum {} vs independent {}", lay.reap_l2_sum[e], reap[e]);
+        assert!(rel(ean[e], lay.ean_sum[e]) < 1e-5, "expert {e}: ean_sum {} vs independent {}", lay.ean_sum[e], ean[e]);
+        assert!(rel(prob[e], lay.prob_sum[e]) < 1e-5, "expert {e}: prob_sum {} vs independent {}", lay.prob_sum[e], prob[e]);
+    }
+    let all = vec![rows as i64];
+    let routed: Vec<i64> = count.iter().map(|&c| c as i64).collect();
+    let want: [(&str, &[f64], &[i64]); 7] = [
+        ("ffn_gate_inp", &x_sq, &all),
+        ("ffn_gate_shexp", &x_sq, &all),
+        ("ffn_up_shexp", &x_sq, &all),
+        ("ffn_down_shexp", &sh_sq, &all),
+        ("ffn_gate_exps", &x_sq_e, &routed),
+        ("ffn_up_exps", &x_sq_e, &routed),
+        ("ffn_down_exps", &h_sq_e, &routed),
+    ];
+    for (weight, sums, counts) in want {
+        let name = format!("blk.{block}.{weight}.weight");
+        let got = entries.get(&name).unwrap_or_else(|| panic!("no imatrix entry {name}: {:?}", entries.keys().collect::<Vec<_>>()));
+        assert_eq!(got.counts, counts, "{name}: counts");
+        let mean = sums.iter().sum::<f64>() / sums.len() as f64;
+        for (j, (&a, &b)) in got.sums.iter().zip(sums).enumerate() {
+            assert!((a as f64 - b).abs() <= 1e-4 * b.abs() + 1e-6 * mean, "{name} column {j}: Σx² {a}, independent {b}");
+        }
+    }
+    // the block's other matmuls have entries too: its attention's, and eh_proj's, whose input
+    // holds a row per stream ([2·n_embd, 4, T]: upstream's collector, whose rule skips an input
+    // of under 16 rows by ne[1], would leave it out; llama-quantize then refuses a very-low-bit
+    // type for it): Σx² over the four rows of each token, counted so
+    for weight in ["attn_q_a", "attn_kv", "attn_output_b"] {
+        assert!(entries.contains_key(&format!("blk.{block}.{weight}.weight")), "{weight}: {:?}", entries.keys().collect::<Vec<_>>());
+    }
+    let eh = &entries[&format!("blk.{block}.nextn.eh_proj.weight")];
+    assert_eq!((eh.counts.clone(), eh.sums.len()), (vec![4 * rows as i64], 2 * n_embd));
+    // its input per stream: [enorm(the token's embedding); hnorm(the stream of the state fed)]
+    let rms = |v: &[f32], g: &[f32]| -> Vec<f64> {
+        let s = (v.iter().map(|&a| a as f64 * a as f64).sum::<f64>() / v.len() as f64 + 1e-6).sqrt();
+        v.iter().zip(g).map(|(&a, &b)| a as f64 / s * b as f64).collect()
+    };
+    let (embd, enorm, hnorm) = (gguf_f32(&mtp_path, "token_embd.weight").0, w("nextn.enorm.weight"), w("nextn.hnorm.weight"));
+    let mut cat_sq = vec![0f64; 2 * n_embd];
+    for r in 0..rows {
+        let e = rms(&embd[fed_t[r] * n_embd..(fed_t[r] + 1) * n_embd], &enorm);
+        for stream in fed_h[r * width..(r + 1) * width].chunks(n_embd) {
+            for (a, v) in cat_sq.iter_mut().zip(e.iter().chain(&rms(stream, &hnorm))) {
+                *a += v * v;
+            }
+        }
+    }
+    let mean = cat_sq.iter().sum::<f64>() / cat_sq.len() as f64;
+    for (j, (&a, &b)) in eh.sums.iter().zip(&cat_sq).enumerate() {
+        assert!((a as f64 - b).abs() <= 1e-4 * b.abs() + 1e-6 * mean, "eh_proj column {j}: Σx² {a}, independent {b}");
+    }
+    // the states fed are the trunk's: zeros at each chunk's start only
+    assert!((0..rows).all(|r| fed_h[r * width..(r + 1) * width].iter().all(|&v| v == 0.0) == (r % n_ctx == 0)));
+    let c = run(Command::new(ours()).current_dir(d.join("nextn")).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf", "--trace", "t.bin"]));
+    let text = String::from_utf8_lossy(&c.stdout);
+    assert!(c.status.success(), "{text}");
+    assert!(text.contains(&format!("[ok] layer {block}: count equals the imatrix counts of blk.{block}.ffn_down_exps.weight")), "{text}");
+
+    // refused: the model without its file, a file that is not its block's, the flag elsewhere
+    let refused = |model: &Path, extra: &[&str], want: &str| {
+        let out = calibrate(&d, model, &[&["-c", "64", "--chunks", "1"][..], extra].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{extra:?}: {err}");
+    };
+    refused(&model_path, &["--nextn"], "whose MTP block comes in a file of its own (convert_hf_to_gguf.py --mtp writes mtp-NAME.gguf): name it with --nextn-model");
+    refused(&model_path, &["--nextn-model", model_path.to_str().unwrap()], "has no nextn/MTP block with its own tensors");
+    let other = d.join("m3.gguf");
+    let other_mtp = d.join("mtp-m3.gguf");
+    run_ok(Command::new(ours()).args(["fixture", "--arch", "deepseek4", "--wtype", "f32", "--layers", "3", "-o"]).arg(&other).arg("--mtp-out").arg(&other_mtp));
+    refused(&model_path, &["--nextn-model", other_mtp.to_str().unwrap()], "its MTP block is block 3, but -m");
+    refused(&fixture("glm4moe"), &["--nextn-model", mtp_path.to_str().unwrap()], "whose nextn/MTP block is in the model's own file at the pin");
+}
+
+/// DeepSeek-V4's MTP file through the rest of the path, at rows 256 wide (IQ2_XXS's block):
+/// upstream llama-quantize refuses the file in IQ2_XXS without the block's entries and takes it
+/// with them (its eh_proj among them); `select`'s map covers the trunk and the block and
+/// records the MTP file; `prune` takes that one map for both files, each its own part, and
+/// slices each file's imatrix entries; both pruned files quantize; and the pruned pair,
+/// calibrated again on the same text, routes every block as before (the experts left out
+/// were never picked), with the same sums for the experts kept. What it refuses: an MTP file
+/// the map was not made with, a map without an entry for the file's block.
+#[test]
+fn a_deepseek4_mtp_file_is_pruned_and_quantized_with_the_trunk() {
+    let d = temp_dir("nextn-deepseek4-mtp-path");
+    let (model, mtp) = (d.join("m.gguf"), d.join("mtp-m.gguf"));
+    // head size 32: a head of the indexer's key size (64) would have the pin rotate the main
+    // cache's keys too, and stop on it
+    run_ok(Command::new(ours()).args(["fixture", "--arch", "deepseek4", "--layers", "2", "--n-embd", "256", "--expert-ffn", "256", "--heads", "8", "--head-dim", "32", "-o"]).arg(&model).arg("--mtp-out").arg(&mtp));
+    let calib = ["-c", "128", "-b", "128", "--chunks", "2"];
+    let plain = calibrate(&d, &model, &[&calib[..], &["-o", "plain.gguf", "--no-reap"]].concat());
+    assert!(plain.status.success(), "{}", String::from_utf8_lossy(&plain.stderr));
+    let out = calibrate(&d, &model, &[&calib[..], &["--nextn-model", mtp.to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // DeepSeek-V4's final stream mix (output_hc_fn) is a weight llama-quantize quantizes, and no
+    // imatrix has it (upstream collects blk.* and, asked to, output.weight): it is given a type
+    let quantize = |imatrix: &str, m: &Path, q: &str| {
+        let o = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", imatrix, "--tensor-type", "output_hc_fn=q8_0"]).arg(m).args([q, "IQ2_XXS", "2"]));
+        (o.status.success(), String::from_utf8_lossy(&o.stderr).to_string() + &String::from_utf8_lossy(&o.stdout))
+    };
+    let (ok, log) = quantize("plain.gguf", &mtp, "mtp-plain-iq2.gguf");
+    assert!(!ok && log.contains("Missing importance matrix for tensor blk.2."), "{log}");
+    let (ok, log) = quantize("i.gguf", &mtp, "mtp-iq2.gguf");
+    assert!(ok, "{log}");
+    let eh = log.lines().find(|l| l.contains("blk.2.nextn.eh_proj.weight")).unwrap_or_default();
+    assert!(eh.contains("iq2_xxs"), "eh_proj quantized with its entry: {eh}");
+
+    run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "i.reap.json", "--method", "reap_mean", "--k", "28", "--out-dir", "maps"]));
+    let map = d.join("maps/keep_reap_mean_k28.json");
+    let m: serde_json::Value = serde_json::from_slice(&read(&map)).unwrap();
+    let layers: Vec<u64> = m["layers"].as_array().unwrap().iter().map(|l| l["layer"].as_u64().unwrap()).collect();
+    assert_eq!(layers, [0, 1, 2]);
+    let sha = reap_imatrix::formats::sha256::sha256_file(&mtp).unwrap();
+    assert_eq!((m["model"]["nextn_model"]["path"].as_str(), m["model"]["nextn_model"]["sha256"].as_str()), (mtp.to_str(), Some(sha.as_str())));
+
+    let prune = |m: &Path, map: &Path, out: &str| {
+        run(Command::new(ours()).current_dir(&d).args(["prune", "-m"]).arg(m).arg("--keep-map").arg(map).args(["-o", out, "--imatrix", "i.gguf", "--imatrix-out", &format!("{out}.imatrix")]))
+    };
+    let o = prune(&model, &map, "p.gguf");
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("the map's entry for block [2] is the MTP file's"), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    let o = prune(&mtp, &map, "mtp-p.gguf");
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("the MTP block alone"), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    // each sliced imatrix holds its file's entries only
+    let (pi, mi) = (imatrix::load(&d.join("p.gguf.imatrix")).unwrap(), imatrix::load(&d.join("mtp-p.gguf.imatrix")).unwrap());
+    assert!(!pi.entries.is_empty() && pi.entries.keys().all(|n| !n.starts_with("blk.2.")));
+    assert!(!mi.entries.is_empty() && mi.entries.keys().all(|n| n.starts_with("blk.2.")));
+    assert_eq!(mi.entries["blk.2.ffn_down_exps.weight"].counts.len(), 28);
+    let (ok, log) = quantize("p.gguf.imatrix", &d.join("p.gguf"), "p-iq2.gguf");
+    assert!(ok, "{log}");
+    assert!(super::prune::upstream_ppl(&d.join("p-iq2.gguf")).is_finite());
+    let (ok, log) = quantize("mtp-p.gguf.imatrix", &d.join("mtp-p.gguf"), "mtp-p-iq2.gguf");
+    assert!(ok, "{log}");
+
+    // the pruned pair, calibrated again: every block routes as before
+    let again = d.join("again");
+    std::fs::create_dir_all(&again).unwrap();
+    let out = calibrate(&again, &d.join("p.gguf"), &[&calib[..], &["--nextn-model", d.join("mtp-p.gguf").to_str().unwrap()]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (s, p) = (Saliency::read(&d.join("i.reap.json")).unwrap(), Saliency::read(&again.join("i.reap.json")).unwrap());
+    assert_eq!(p.nextn_blocks, [2]);
+    let rel = |a: f64, b: f64| (a - b).abs() / a.abs().max(b.abs()).max(1e-30);
+    for (li, (a, b)) in s.layers.iter().zip(&p.layers).enumerate() {
+        let keep: Vec<usize> = m["layers"][li]["keep"].as_array().unwrap().iter().map(|e| e.as_u64().unwrap() as usize).collect();
+        assert_eq!((b.layer, b.n_expert, a.tokens), (a.layer, 28, b.tokens));
+        assert_eq!(a.count.iter().sum::<u64>(), b.count.iter().sum::<u64>(), "block {}: a token went to an expert left out", a.layer);
+        for (new, &old) in keep.iter().enumerate() {
+            assert_eq!(b.count[new], a.count[old], "block {} expert {old}", a.layer);
+            assert!(rel(b.reap_l2_sum[new], a.reap_l2_sum[old]) < 1e-5, "block {} expert {old}: {} vs {}", a.layer, b.reap_l2_sum[new], a.reap_l2_sum[old]);
+        }
+    }
+
+    // refused: a map made with another MTP file, a map without the file's block
+    let mut other = m.clone();
+    other["model"]["nextn_model"]["sha256"] = serde_json::json!("0".repeat(64));
+    std::fs::write(d.join("other.json"), other.to_string()).unwrap();
+    let o = prune(&mtp, &d.join("other.json"), "x.gguf");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("made for the MTP file with sha256 0000"), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut trunk_only = m.clone();
+    trunk_only["layers"].as_array_mut().unwrap().pop();
+    std::fs::write(d.join("trunk-only.json"), trunk_only.to_string()).unwrap();
+    let o = prune(&mtp, &d.join("trunk-only.json"), "x.gguf");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("no entry for block 2, the nextn/MTP block"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!d.join("x.gguf").exists());
+}

@@ -97,6 +97,11 @@ pub struct PruneReport {
     /// nextn/MTP blocks left out (`--drop-nextn`), and the model tensors they held
     pub nextn_dropped: Vec<u32>,
     pub tensors_dropped: usize,
+    /// blocks the map holds for the other file of a model whose MTP block is in a file of its
+    /// own (`--nextn-model`): the MTP block, pruning the trunk; the trunk's, pruning the MTP file
+    pub other_file_blocks: Vec<u32>,
+    /// the file holds a nextn/MTP block alone (DeepSeek-V4's `mtp-NAME.gguf`)
+    pub mtp_file: bool,
     /// the shards written (or, with `dry_run`, to be written) in place of `out`; empty without
     /// a split rule
     pub shards: Vec<PathBuf>,
@@ -128,6 +133,11 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
     let mut shape = format!("{} MoE layers, {} → {} experts", r.moe_layers.len(), r.n_expert, r.k);
     if !r.nextn_dropped.is_empty() {
         shape += &format!("; nextn block {:?} left out ({} tensors)", r.nextn_dropped, r.tensors_dropped);
+    }
+    if r.mtp_file {
+        shape += &format!("; the MTP block alone (the map's entries for the trunk's blocks {:?} are the trunk file's)", r.other_file_blocks);
+    } else if !r.other_file_blocks.is_empty() {
+        shape += &format!("; the map's entry for block {:?} is the MTP file's: prune that with -m MTP-FILE and this map", r.other_file_blocks);
     }
     if args.dry_run {
         println!(
@@ -401,8 +411,33 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     if opts.drop_nextn && nextn.is_empty() {
         return Err(usage(format!("--drop-nextn: -m {model_arg} has no nextn/MTP block (no {arch}.nextn_predict_layers)")));
     }
-    let kept_tensor = |name: &str| plan::block_of(name).is_none_or(|n| !dropped.contains(&n));
     let all_moe = plan::moe_blocks(h);
+    // DeepSeek-V4's MTP block comes in a file of its own (convert_hf_to_gguf.py --mtp): the map
+    // of a run with --nextn-model covers the trunk and that block, and each file takes its part
+    let mtp_only = !nextn.is_empty() && all_moe.iter().all(|b| nextn.contains(b));
+    let recorded_mtp = map.model.as_ref().and_then(|m| m.nextn_model.clone());
+    let named: Vec<u32> = map.layers.iter().filter_map(|l| l.layer).collect();
+    let foreign: Vec<u32> = if mtp_only {
+        if named.len() != map.layers.len() {
+            return Err(usage(format!(
+                "-m {model_arg} holds the nextn/MTP block {nextn:?} alone (a file of its own, as DeepSeek-V4's): --keep-map {} must name its layers (select's maps do)",
+                opts.keep_map.display()
+            )));
+        }
+        if let Some(b) = nextn.iter().find(|b| !named.contains(b)) {
+            return Err(usage(format!(
+                "--keep-map {}: no entry for block {b}, the nextn/MTP block -m {model_arg} holds: calibrate with --nextn-model {model_arg} and select again, or add {{\"layer\": {b}, \"keep\": [...]}} to the map",
+                opts.keep_map.display()
+            )));
+        }
+        named.iter().copied().filter(|l| !all_moe.contains(l) && *l < nextn[0]).collect()
+    } else if recorded_mtp.is_some() {
+        let n_blocks = h.tensors.iter().filter_map(|t| plan::block_of(&t.name)).max().map_or(0, |b| b + 1);
+        named.iter().copied().filter(|&l| l >= n_blocks).collect()
+    } else {
+        Vec::new()
+    };
+    let kept_tensor = |name: &str| plan::block_of(name).is_none_or(|n| !dropped.contains(&n) && !foreign.contains(&n));
     let blocks: Vec<u32> = all_moe.iter().copied().filter(|b| !dropped.contains(b)).collect();
     if blocks.is_empty() {
         return Err(usage(format!("-m {model_arg}: no MoE layer (no blk.N.ffn_gate_inp.weight)")));
@@ -424,8 +459,9 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     }
     let mut map = map;
     // with --drop-nextn, a hand-made entry for a dropped block goes with it: named, or (a map
-    // of plain lists, one per MoE block in order) the trailing entries
-    map.layers.retain(|l| l.layer.is_none_or(|n| !dropped.contains(&n)));
+    // of plain lists, one per MoE block in order) the trailing entries; the other file's
+    // entries are that file's
+    map.layers.retain(|l| l.layer.is_none_or(|n| !dropped.contains(&n) && !foreign.contains(&n)));
     if opts.drop_nextn && map.layers.iter().all(|l| l.layer.is_none()) && map.layers.len() == all_moe.len() {
         map.layers.truncate(blocks.len());
     }
@@ -434,18 +470,24 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     if grouped {
         check_groups(&keep, &blocks, &opts.keep_map, n_expert, groups, groups_used, n_used)?;
     }
-    if let Some(want) = map.model.as_ref().and_then(|m| m.sha256.as_deref()) {
+    // the file the map was made with: the model, or (an MTP file) the block's own file
+    let (want_sha, made_for) = match (&recorded_mtp, mtp_only) {
+        (Some((p, sha)), true) => (sha.clone(), p.clone()),
+        _ if mtp_only => (None, String::new()),
+        _ => map.model.as_ref().map_or((None, String::new()), |m| (m.sha256.clone(), m.path.clone())),
+    };
+    if let Some(want) = &want_sha {
         let got = crate::formats::sha256::cached_sha256_file(&opts.model).with_context(|| format!("hashing {model_arg}"))?;
         if !got.eq_ignore_ascii_case(want) {
             return Err(usage(format!(
-                "--keep-map {}: made for the model with sha256 {want} ({}); -m {model_arg} has sha256 {got}",
+                "--keep-map {}: made for the {} with sha256 {want} ({made_for}); -m {model_arg} has sha256 {got}",
                 opts.keep_map.display(),
-                map.model.as_ref().map(|m| m.path.as_str()).unwrap_or("")
+                if mtp_only { "MTP file" } else { "model" }
             )));
         }
     }
-    // a split model's further shards, where the map records them
-    if let Some(m) = map.model.as_ref().filter(|m| !m.shards.is_empty()) {
+    // a split model's further shards, where the map records them (the trunk's)
+    if let Some(m) = map.model.as_ref().filter(|m| !m.shards.is_empty() && !mtp_only) {
         let ours: Vec<&Path> = shards.as_ref().map_or_else(Vec::new, |s| s.more.iter().map(|(p, _)| p.as_path()).collect());
         if ours.len() != m.shards.len() {
             return Err(usage(format!(
@@ -536,7 +578,7 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
             let mut steps = plan::plan(&im.header, per_expert, &blocks, k, n_expert)
                 .map_err(|e| usage(format!("--imatrix {}: {e} (an imatrix of another model?)", path.display())))?;
             steps.retain(|s| kept_tensor(&s.src.name));
-            plan::imatrix_fits(&im.header, h).map_err(|e| usage(format!("--imatrix {}: {e} (an imatrix of another model?)", path.display())))?;
+            plan::imatrix_fits(&im.header, h, &kept_tensor).map_err(|e| usage(format!("--imatrix {}: {e} (an imatrix of another model?)", path.display())))?;
             Some((im, steps, out))
         }
     };
@@ -558,6 +600,8 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         imatrix_entries_sliced,
         nextn_dropped: dropped.clone(),
         tensors_dropped,
+        other_file_blocks: foreign.clone(),
+        mtp_file: mtp_only,
         shards: split_plan.as_ref().map_or_else(Vec::new, |(_, paths)| paths.clone()),
     };
     if opts.dry_run {

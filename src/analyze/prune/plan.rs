@@ -162,9 +162,13 @@ pub fn imatrix_per_expert(name: &str) -> Result<Option<u32>, String> {
 /// (its only check). A per-expert entry, which prune slices, must be `[ne[0], ne[2]]`: one
 /// matrix of sums per expert. Others need not be: upstream stores a 3-D weight that is not
 /// per expert (deepseek2's per-head `attn_k_b` [16, 32, 4]) as `[64, 1]`, one count in all.
-pub fn imatrix_fits(im: &Header, model: &Header) -> Result<(), String> {
+/// Entries `kept` refuses (a dropped nextn block's, the other file's) are not checked.
+pub fn imatrix_fits(im: &Header, model: &Header, kept: &dyn Fn(&str) -> bool) -> Result<(), String> {
     for t in &im.tensors {
         let Some(weight) = t.name.strip_suffix(".in_sum2") else { continue };
+        if !kept(weight) {
+            continue;
+        }
         let m = model.tensors.iter().find(|m| m.name == weight).ok_or_else(|| format!("entry {}: the model has no tensor {weight}", t.name))?;
         let want = (m.ne[0], m.ne.get(2).copied().unwrap_or(1));
         let got = (t.ne[0], t.ne.get(1).copied().unwrap_or(1));
@@ -314,24 +318,26 @@ mod tests {
         let model = header(&[info("blk.0.ffn_down_exps.weight", &[16, 64, 8], f32_), info("blk.0.attn_q.weight", &[64, 64], f32_)]);
         let model = Header::parse(&model).unwrap();
         let im = |down: &[u64], q: &[u64]| header(&[info("blk.0.ffn_down_exps.weight.in_sum2", down, f32_), info("blk.0.attn_q.weight.in_sum2", q, f32_)]);
-        assert_eq!(imatrix_fits(&Header::parse(&im(&[16, 8], &[64, 1])).unwrap(), &model), Ok(()));
-        let e = imatrix_fits(&Header::parse(&im(&[32, 8], &[64, 1])).unwrap(), &model).unwrap_err();
+        assert_eq!(imatrix_fits(&Header::parse(&im(&[16, 8], &[64, 1])).unwrap(), &model, &|_| true), Ok(()));
+        let e = imatrix_fits(&Header::parse(&im(&[32, 8], &[64, 1])).unwrap(), &model, &|_| true).unwrap_err();
         assert!(e.contains("blk.0.ffn_down_exps.weight.in_sum2: sums for 32 columns × 8 matrices") && e.contains("(16 × 8)"), "{e}");
-        let e = imatrix_fits(&Header::parse(&im(&[16, 8], &[128, 1])).unwrap(), &model).unwrap_err();
+        let e = imatrix_fits(&Header::parse(&im(&[16, 8], &[128, 1])).unwrap(), &model, &|_| true).unwrap_err();
         assert!(e.contains("attn_q.weight.in_sum2: sums for 128 columns"), "{e}");
         let other = header(&[info("blk.9.attn_q.weight.in_sum2", &[64, 1], f32_)]);
-        let e = imatrix_fits(&Header::parse(&other).unwrap(), &model).unwrap_err();
+        let e = imatrix_fits(&Header::parse(&other).unwrap(), &model, &|_| true).unwrap_err();
         assert!(e.contains("the model has no tensor blk.9.attn_q.weight"), "{e}");
+        // an entry of a block the file does not hold by design (the MTP file's) is not its to fit
+        assert_eq!(imatrix_fits(&Header::parse(&other).unwrap(), &model, &|n| !n.starts_with("blk.9.")), Ok(()));
         // a 3-D weight that is not per expert (deepseek2's per-head attn_k_b [16, 32, 4]):
         // upstream writes its 16 × 4 sums as [64, 1], which llama-quantize takes (it checks the
         // size only); per expert, [128, 1] of the same size is refused (prune slices by matrix)
         let mla = Header::parse(&header(&[info("blk.0.attn_k_b.weight", &[16, 32, 4], f32_), info("blk.0.ffn_down_exps.weight", &[16, 64, 8], f32_)])).unwrap();
         let im = |kb: &[u64], down: &[u64]| Header::parse(&header(&[info("blk.0.attn_k_b.weight.in_sum2", kb, f32_), info("blk.0.ffn_down_exps.weight.in_sum2", down, f32_)])).unwrap();
-        assert_eq!(imatrix_fits(&im(&[64, 1], &[16, 8]), &mla), Ok(()));
-        assert_eq!(imatrix_fits(&im(&[16, 4], &[16, 8]), &mla), Ok(()));
-        let e = imatrix_fits(&im(&[48, 1], &[16, 8]), &mla).unwrap_err();
+        assert_eq!(imatrix_fits(&im(&[64, 1], &[16, 8]), &mla, &|_| true), Ok(()));
+        assert_eq!(imatrix_fits(&im(&[16, 4], &[16, 8]), &mla, &|_| true), Ok(()));
+        let e = imatrix_fits(&im(&[48, 1], &[16, 8]), &mla, &|_| true).unwrap_err();
         assert!(e.contains("attn_k_b.weight.in_sum2: sums for 48 columns × 1 matrices") && e.contains("(16 × 4)"), "{e}");
-        let e = imatrix_fits(&im(&[64, 1], &[128, 1]), &mla).unwrap_err();
+        let e = imatrix_fits(&im(&[64, 1], &[128, 1]), &mla, &|_| true).unwrap_err();
         assert!(e.contains("ffn_down_exps.weight.in_sum2: sums for 128 columns × 1 matrices"), "{e}");
     }
 

@@ -31,6 +31,9 @@ pub struct ModelRef {
     pub expert_count: Option<u64>,
     /// a split model's further shards: (path as recorded, sha256), in order; empty otherwise
     pub shards: Vec<(String, String)>,
+    /// the nextn/MTP block's own file, where the run read it from one (`--nextn-model`,
+    /// DeepSeek-V4's): (path as recorded, sha256)
+    pub nextn_model: Option<(String, Option<String>)>,
 }
 
 impl ModelRef {
@@ -46,6 +49,7 @@ impl ModelRef {
             sha256: m.get("sha256").and_then(Value::as_str).map(str::to_string),
             expert_count: m.get("expert_count").and_then(Value::as_u64),
             shards,
+            nextn_model: m.get("nextn_model").and_then(|n| Some((n.get("path")?.as_str()?.to_string(), n.get("sha256").and_then(Value::as_str).map(str::to_string)))),
         }
     }
 }
@@ -89,6 +93,9 @@ impl KeepMap {
             v["model"] = json!({"path": m.path, "sha256": m.sha256, "expert_count": m.expert_count});
             if !m.shards.is_empty() {
                 v["model"]["shards"] = m.shards.iter().map(|(p, s)| json!({"path": p, "sha256": s})).collect();
+            }
+            if let Some((p, s)) = &m.nextn_model {
+                v["model"]["nextn_model"] = json!({"path": p, "sha256": s});
             }
         }
         v
@@ -199,7 +206,7 @@ mod tests {
             k: 2,
             parameters: json!({"min_count": 0}),
             source: Some(Source { path: "a.json".into(), sha256: sha256_hex(b"abc"), tokens: 10, trace_tokens_written: 4 }),
-            model: Some(ModelRef { path: "m.gguf".into(), sha256: Some(sha256_hex(b"m")), expert_count: Some(8), shards: vec![("m-00002-of-00002.gguf".into(), sha256_hex(b"2"))] }),
+            model: Some(ModelRef { path: "m.gguf".into(), sha256: Some(sha256_hex(b"m")), expert_count: Some(8), shards: vec![("m-00002-of-00002.gguf".into(), sha256_hex(b"2"))], nextn_model: Some(("mtp-m.gguf".into(), Some(sha256_hex(b"mtp")))) }),
             layers: vec![KeepLayer { layer: Some(3), keep: vec![1, 5] }, KeepLayer { layer: Some(4), keep: vec![0, 2] }],
         };
         assert_eq!(KeepMap::from_json(&m.to_json()).unwrap(), m);
