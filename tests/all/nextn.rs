@@ -769,23 +769,29 @@ fn a_very_low_bit_quantization_needs_and_takes_the_nextn_entries() {
 /// CPU's (norms on the device in f32); with `--imatrix-on-device` the same counts and sums to
 /// f32 rounding; with `--domains` the block's sums split by domain; `check` passes on each. On
 /// glm4moe, deepseek2 (MLA's per-head attn_k_b and attn_v_b on the server) and qwen3next (its
-/// MTP graph fed every token as an output).
+/// MTP graph fed every token as an output), the others with an MTP graph, and deepseek4's block
+/// in its own file (`--nextn-model`).
 #[test]
 fn offloaded_through_rpc_the_block_agrees_with_the_cpu() {
     let server = RpcServer::start();
     for arch in ["glm4moe", "deepseek2", "glm-dsa", "qwen3next", "nemotron_h_moe", "cohere2moe", "step35", "mimo2", "hy_v3", "bailingmoe3"] {
-        offloaded(&server, arch, &["--arch", arch]);
+        offloaded(&server, arch, &["--arch", arch], &["--nextn"]);
     }
     // a block with its own LM head, fed every token as an output: its entry comes off-host too
-    offloaded(&server, "glm4moe-own-head", &["--arch", "glm4moe", "--nextn-own-head"]);
+    offloaded(&server, "glm4moe-own-head", &["--arch", "glm4moe", "--nextn-own-head"], &["--nextn"]);
+    // DeepSeek-V4's block in its own file, loaded off-host beside the trunk, fed the streams
+    // read from the server
+    let mtp = temp_dir("nextn-rpc-deepseek4-mtp-file").join("mtp.gguf");
+    let mtp = mtp.to_str().unwrap();
+    offloaded(&server, "deepseek4-mtp", &["--arch", "deepseek4", "--mtp-out", mtp], &["--nextn-model", mtp]);
 }
 
-fn offloaded(server: &RpcServer, key: &str, fixture_args: &[&str]) {
+fn offloaded(server: &RpcServer, key: &str, fixture_args: &[&str], nextn: &[&str]) {
     let d = temp_dir(&format!("nextn-rpc-{key}"));
     let model = fixture_with(key, fixture_args);
     let go = |dir: &str, extra: &[&str]| {
         std::fs::create_dir_all(d.join(dir)).unwrap();
-        let out = calibrate(&d.join(dir), &model, &[&["-c", "128", "-b", "128", "--chunks", "4", "--nextn"][..], extra].concat());
+        let out = calibrate(&d.join(dir), &model, &[&["-c", "128", "-b", "128", "--chunks", "4"][..], nextn, extra].concat());
         assert!(out.status.success(), "{dir}: {}", String::from_utf8_lossy(&out.stderr));
         let c = run(Command::new(ours()).current_dir(d.join(dir)).args(["check", "--reap", "i.reap.json", "--imatrix", "i.gguf"]));
         assert!(c.status.success(), "{dir}: {}", String::from_utf8_lossy(&c.stdout));
