@@ -39,6 +39,9 @@ pub struct EvalArgs {
     /// With --keep-map: prune with `--drop-nextn` (leave a nextn/MTP block out; see `prune --help`)
     #[arg(long = "drop-nextn", requires = "keep_maps")]
     pub drop_nextn: bool,
+    /// With --keep-map: prune with `--hash-remap` (DeepSeek-V4's hash-routed blocks; see `prune --help`)
+    #[arg(long = "hash-remap", requires = "keep_maps")]
+    pub hash_remap: bool,
     /// The evaluation text (as llama-perplexity -f reads it)
     #[arg(short = 'f', long = "file", value_name = "TEXT")]
     pub file: PathBuf,
@@ -144,6 +147,11 @@ fn usage(m: String) -> anyhow::Error {
 }
 
 /// Every input exists and every output can be written, before anything is loaded.
+/// The flags of prune's that `--keep-map` passes on.
+fn prune_flags(args: &EvalArgs) -> Vec<&'static str> {
+    [(args.drop_nextn, "--drop-nextn"), (args.hash_remap, "--hash-remap")].into_iter().filter(|x| x.0).map(|x| x.1).collect()
+}
+
 fn check_files(args: &EvalArgs, candidates: &[Candidate]) -> Result<()> {
     let must_exist = |flag: &str, p: &Path| -> Result<()> {
         if !p.is_file() {
@@ -267,7 +275,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
 
     let scratch = Scratch::new(args.scratch.as_deref())?;
     let maps: Vec<&Path> = args.keep_maps.iter().map(PathBuf::as_path).collect();
-    prune::check_maps(&scratch.0, &args.base, &maps, args.drop_nextn)?;
+    prune::check_maps(&scratch.0, &args.base, &maps, &prune_flags(args))?;
     let base_file = args.base_logits.clone().unwrap_or_else(|| scratch.0.join("base.logits"));
     // in the scratch folder (no --base-logits) the base file goes with it, on a signal too
     let _base_on_signal = args.base_logits.is_none().then(|| crate::interrupt::remove_on_signal(&base_file));
@@ -308,7 +316,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         let (path, pruned) = match c {
             Candidate::Model(p) => (p.clone(), None),
             Candidate::KeepMap(m) => {
-                let out = prune::prune_into(&scratch.0, &args.base, m, i, args.drop_nextn)?;
+                let out = prune::prune_into(&scratch.0, &args.base, m, i, &prune_flags(args))?;
                 (out.clone(), Some((crate::interrupt::remove_on_signal(&out), out)))
             }
         };

@@ -1,7 +1,7 @@
 //! `--keep-map`: each map is turned into a model file by this program's own `prune`
 //! subcommand (a child process, so the pruned model is written and closed before it is
 //! loaded, and `eval` depends only on prune's command line: `prune -m MODEL --keep-map MAP
-//! -o OUT [--drop-nextn]`).
+//! -o OUT [--drop-nextn] [--hash-remap]`).
 
 use crate::error::UsageError;
 use anyhow::{bail, Context as _, Result};
@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Prunes `base` by `map` into `scratch`; returns the pruned model's path.
-pub fn prune_into(scratch: &Path, base: &Path, map: &Path, index: usize, drop_nextn: bool) -> Result<PathBuf> {
+pub fn prune_into(scratch: &Path, base: &Path, map: &Path, index: usize, flags: &[&str]) -> Result<PathBuf> {
     let out = scratch.join(out_name(map, index));
     eprintln!("pruning {} by {} into {}", base.display(), map.display(), out.display());
-    run_prune(base, map, &out, false, drop_nextn)?;
+    run_prune(base, map, &out, false, flags)?;
     if !out.is_file() {
         bail!("`prune` for --keep-map {} reported success but wrote no {}", map.display(), out.display());
     }
@@ -21,9 +21,9 @@ pub fn prune_into(scratch: &Path, base: &Path, map: &Path, index: usize, drop_ne
 
 /// Before the base pass: `prune --dry-run` of every map, so a map for another model (or a
 /// split or unreadable base) fails in seconds, not after an hour of forward passes.
-pub fn check_maps(scratch: &Path, base: &Path, maps: &[&Path], drop_nextn: bool) -> Result<()> {
+pub fn check_maps(scratch: &Path, base: &Path, maps: &[&Path], flags: &[&str]) -> Result<()> {
     for (i, map) in maps.iter().enumerate() {
-        run_prune(base, map, &scratch.join(out_name(map, i)), true, drop_nextn)?;
+        run_prune(base, map, &scratch.join(out_name(map, i)), true, flags)?;
     }
     Ok(())
 }
@@ -33,16 +33,15 @@ fn out_name(map: &Path, index: usize) -> String {
     format!("{index}-{stem}.gguf")
 }
 
-fn run_prune(base: &Path, map: &Path, out: &Path, dry_run: bool, drop_nextn: bool) -> Result<()> {
+fn run_prune(base: &Path, map: &Path, out: &Path, dry_run: bool, flags: &[&str]) -> Result<()> {
     let exe = std::env::current_exe().context("locating this program to run `prune`")?;
     let mut cmd = Command::new(&exe);
     cmd.arg("prune").arg("-m").arg(base).arg("--keep-map").arg(map).arg("-o").arg(out);
     if dry_run {
         cmd.arg("--dry-run");
     }
-    if drop_nextn {
-        cmd.arg("--drop-nextn");
-    }
+    // prune's own flags that eval passes on (`--drop-nextn`, `--hash-remap`)
+    cmd.args(flags);
     // its status line to stderr: eval's stdout holds the statistics only
     let mut child = cmd.stdout(std::io::stderr()).spawn().with_context(|| format!("running {} prune", exe.display()))?;
     // a signal to eval reaches prune too, and eval waits for it to remove its temporary file

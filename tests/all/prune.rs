@@ -996,10 +996,10 @@ fn reroute_against_the_pruned_model(key: &str, fixture_args: &[&str], softmax: b
         let tr = TraceReader::open(trace).unwrap();
         assert_eq!(tr.n_rows as usize, truth.len());
         let shape = Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
-        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: softmax, groups: None, fixed: None }), false);
-        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None, renormalise: false, groups: None, fixed: None }), false);
+        let mut biased = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: softmax, groups: None, fixed: None, remap: None }), false);
+        let mut plain = Router::new(shape, Some(Keep { flags: &flags, bias: None, renormalise: false, groups: None, fixed: None, remap: None }), false);
         // a softmax's p + b without the renormalisation
-        let mut unnormalised = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: None }), false);
+        let mut unnormalised = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: None, remap: None }), false);
         let (mut wrong_plain, mut wrong_unnormalised, mut undecided) = (0, 0, 0);
         for (t, want) in truth.iter().enumerate() {
             let row = tr.row(t as u64);
@@ -1133,7 +1133,7 @@ fn keep_map_rerouting_follows_a_group_routed_pruned_model() {
     let bias = selection_bias(&model, &blocks, ne, &[]).unwrap().unwrap();
     let tr = TraceReader::open(&full).unwrap();
     let shape = Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
-    let grouped = Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: Some((4, 2)), fixed: None };
+    let grouped = Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: Some((4, 2)), fixed: None, remap: None };
     let (mut r, mut flat) = (Router::new(shape, Some(grouped), false), Router::new(shape, Some(Keep { groups: None, ..grouped }), false));
     let mut wrong_flat = 0;
     for (t, want) in truth.iter().enumerate() {
@@ -1220,6 +1220,41 @@ fn fused_gate_up_experts_calibrate_and_prune_as_the_unfused() {
     }
 }
 
+/// In `d`, after a prune to `p.gguf` with `p.imatrix.gguf`: upstream llama-quantize makes a
+/// Q4_0 of it with that imatrix, upstream llama-perplexity runs it, and `p.gguf` calibrated
+/// again (in `d/pruned`) gives a trace of as many rows as `d/t.bin`: (original rows, pruned rows).
+fn quantize_run_and_recalibrate(d: &Path) -> (Vec<TraceRow>, Vec<TraceRow>) {
+    let q = run(Command::new(reference_bin("llama-quantize")).current_dir(d).args(["--imatrix", "p.imatrix.gguf", "p.gguf", "p.q4_0.gguf", "Q4_0"]));
+    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
+    let ppl = upstream_ppl(&d.join("p.q4_0.gguf"));
+    assert!(ppl.is_finite(), "PPL {ppl}");
+    let pd = d.join("pruned");
+    std::fs::create_dir_all(&pd).unwrap();
+    calibrate(&pd, &d.join("p.gguf"));
+    let (orig, pruned) = (trace_rows(&d.join("t.bin")), trace_rows(&pd.join("t.bin")));
+    assert_eq!(orig.len(), pruned.len());
+    (orig, pruned)
+}
+
+/// What replay's router needs for the deepseek4 fixture (hash block 0) and `d/t.bin`: the hash
+/// flags, the keep flags, the selection bias, the trace and its shape.
+fn deepseek4_replay_inputs(
+    model: &Path,
+    d: &Path,
+    blocks: &[u32],
+    keep: &[Vec<u16>],
+) -> (Vec<bool>, Vec<bool>, Vec<f32>, TraceReader, reap_imatrix::analyze::replay::engine::Shape) {
+    use reap_imatrix::analyze::replay::gguf::{hash_blocks, selection_bias};
+    let ne = N_EXPERT as usize;
+    let hash = hash_blocks(model, blocks).unwrap();
+    assert_eq!(hash, vec![true, false, false, false]);
+    let flags = keep_flags(keep, ne);
+    let bias = selection_bias(model, blocks, ne, &hash).unwrap().unwrap();
+    let tr = TraceReader::open(&d.join("t.bin")).unwrap();
+    let shape = reap_imatrix::analyze::replay::engine::Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
+    (hash, flags, bias, tr, shape)
+}
+
 /// DeepSeek-V4 pruned end to end: calibrate, keep each block's live experts (28 of 32: the
 /// fixture's 4 dead ones go, and block 0's hash table names only live ones), prune with the
 /// imatrix, quantize with upstream llama-quantize and run upstream llama-perplexity; then the
@@ -1238,16 +1273,7 @@ fn a_deepseek4_model_with_a_hash_routed_block_prunes_quantizes_and_routes_as_bef
     assert!(keep.iter().all(|k| k.len() == 28), "{:?}", keep.iter().map(Vec::len).collect::<Vec<_>>());
     let map = write_map(&d.join("live.json"), map_json(&keep));
     prune_ok(&model, &map, &d.join("p.gguf"), &["--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"]);
-    let q = run(Command::new(reference_bin("llama-quantize")).current_dir(&d).args(["--imatrix", "p.imatrix.gguf", "p.gguf", "p.q4_0.gguf", "Q4_0"]));
-    assert!(q.status.success(), "{}", String::from_utf8_lossy(&q.stderr));
-    let ppl = upstream_ppl(&d.join("p.q4_0.gguf"));
-    assert!(ppl.is_finite(), "PPL {ppl}");
-
-    let pd = d.join("pruned");
-    std::fs::create_dir_all(&pd).unwrap();
-    calibrate(&pd, &d.join("p.gguf"));
-    let (orig, pruned) = (trace_rows(&d.join("t.bin")), trace_rows(&pd.join("t.bin")));
-    assert_eq!(orig.len(), pruned.len());
+    let (orig, pruned) = quantize_run_and_recalibrate(&d);
     for (i, (o, p)) in orig.iter().zip(&pruned).enumerate() {
         assert_eq!((o.0, o.1, o.2), (p.0, p.1, p.2), "row {i}");
         for (l, kept) in keep.iter().enumerate() {
@@ -1266,17 +1292,10 @@ fn a_deepseek4_model_with_a_hash_routed_block_prunes_quantizes_and_routes_as_bef
     // there), the others follow score + bias; routing the hash block by its scores instead
     // (the control) gets most rows wrong
     {
-        use reap_imatrix::analyze::replay::engine::{Keep, Router, Shape};
-        use reap_imatrix::analyze::replay::gguf::{hash_blocks, selection_bias};
-        let ne = N_EXPERT as usize;
-        let hash = hash_blocks(&model, &blocks).unwrap();
-        assert_eq!(hash, vec![true, false, false, false]);
-        let flags = keep_flags(&keep, ne);
-        let bias = selection_bias(&model, &blocks, ne, &hash).unwrap().unwrap();
-        let tr = TraceReader::open(&d.join("t.bin")).unwrap();
-        let shape = Shape { n_layers: blocks.len(), n_expert: ne, k: tr.header.k as usize };
-        let mut fixed = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: Some(&hash) }), false);
-        let mut scored = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: None }), false);
+        use reap_imatrix::analyze::replay::engine::{Keep, Router};
+        let (hash, flags, bias, tr, shape) = deepseek4_replay_inputs(&model, &d, &blocks, &keep);
+        let mut fixed = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: Some(&hash), remap: None }), false);
+        let mut scored = Router::new(shape, Some(Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: None, remap: None }), false);
         let mut wrong_scored = 0;
         for (t, p) in pruned.iter().enumerate() {
             let row = tr.row(t as u64);
@@ -1315,4 +1334,174 @@ fn a_deepseek4_model_with_a_hash_routed_block_prunes_quantizes_and_routes_as_bef
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains(&format!("block 0 routes by token id (DeepSeek-V4's hash routing: ffn_gate_tid2eid), and the map drops expert {live}")), "{err}");
+}
+
+/// `--hash-remap`'s rule, written from docs/prune.md: in each token's row of a hash table, an
+/// entry naming an expert `keep` lacks, slot by slot, becomes the first of `rank` the row does
+/// not name yet.
+fn remap_row_by_rank(row: &[i32], keep: &[u16], rank: &[u16]) -> Vec<i32> {
+    let mut out = row.to_vec();
+    for s in 0..out.len() {
+        if !keep.contains(&(out[s] as u16)) {
+            out[s] = rank.iter().map(|&e| e as i32).find(|e| !out.contains(e)).expect("a free kept expert");
+        }
+    }
+    out
+}
+
+/// DeepSeek-V4 pruned below the experts its hash block's table names (K = 12 of 32): select's
+/// map ranks each block's kept experts by the method's score (checked against the saliency
+/// JSON); prune refuses the map without `--hash-remap` and with it writes the table the rule
+/// gives (recomputed here from the source table), which upstream llama-quantize and
+/// llama-perplexity take; the pruned model, calibrated again, routes every token of the hash
+/// block to that row's experts; replay --hash-remap on the original trace routes the block as
+/// the pruned model did; eval --hash-remap prunes the same file. A map without a rank is
+/// refused with --hash-remap.
+#[test]
+fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_by_rank() {
+    let d = temp_dir("prune-deepseek4-remap");
+    let model = fixture("deepseek4");
+    calibrate(&d, &model);
+    const K: usize = 12;
+    run_ok(Command::new(ours()).current_dir(&d).args(["select", "--reap", "imatrix.reap.json", "--method", "reap_l2_sum", "--k", "12", "--out-dir", "maps"]));
+    let map = d.join("maps").join("keep_reap_l2_sum_k12.json");
+    let mj: Value = serde_json::from_slice(&read(&map)).unwrap_or_else(|e| panic!("{}: {e}", map.display()));
+    let sal = Saliency::read(&d.join("imatrix.reap.json")).unwrap();
+    let mut keep: Vec<Vec<u16>> = Vec::new();
+    let mut ranks: Vec<Vec<u16>> = Vec::new();
+    for (l, s) in mj["layers"].as_array().unwrap().iter().zip(&sal.layers) {
+        let ids = |k: &str| -> Vec<u16> { l[k].as_array().unwrap_or_else(|| panic!("no {k} in {l}")).iter().map(|x| x.as_u64().unwrap() as u16).collect() };
+        let (kp, rk) = (ids("keep"), ids("rank"));
+        let mut sorted = rk.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, kp, "block {}: rank is the kept experts", s.layer);
+        // best first by reap_l2_sum, ties by id (every kept expert is live)
+        for w in rk.windows(2) {
+            let (a, b) = (s.reap_l2_sum[w[0] as usize], s.reap_l2_sum[w[1] as usize]);
+            assert!(a > b || (a == b && w[0] < w[1]), "block {}: rank {rk:?} puts {} ({a}) before {} ({b})", s.layer, w[0], w[1]);
+        }
+        keep.push(kp);
+        ranks.push(rk);
+    }
+    assert_eq!(keep[0].len(), K);
+
+    // the source table names more than K experts: refused without the flag
+    let src = read(&model);
+    let hs = Header::parse(&src).unwrap();
+    let tensor = |b: &[u8], h: &Header, name: &str| -> (Vec<u64>, Vec<i32>) {
+        let t = h.tensors.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no {name}"));
+        let at = (h.data_start + t.offset) as usize;
+        (t.ne.clone(), b[at..at + t.nbytes() as usize].chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect())
+    };
+    let (ne, table) = tensor(&src, &hs, "blk.0.ffn_gate_tid2eid.weight");
+    let k = ne[0] as usize;
+    let named: std::collections::BTreeSet<i32> = table.iter().copied().collect();
+    assert!(named.len() > K, "the table names {} experts", named.len());
+    let r = Refusal::new("deepseek4-remap");
+    r.expect_on(&model, &map, &[], "Or pass --hash-remap: each such entry then names the kept expert the map ranks highest that the token's row lacks");
+
+    // with it: the table the rule gives, renumbered
+    let out = prune_ok(&model, &map, &d.join("p.gguf"), &["--hash-remap", "--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"]);
+    let rows: Vec<Vec<i32>> = table.chunks(k).map(|row| remap_row_by_rank(row, &keep[0], &ranks[0])).collect();
+    let moved = table.iter().filter(|&&e| !keep[0].contains(&(e as u16))).count();
+    let moved_tokens = table.chunks(k).filter(|row| row.iter().any(|&e| !keep[0].contains(&(e as u16)))).count();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains(&format!("block 0 routes by token id: {moved} table entries of {moved_tokens} tokens sent to kept experts (--hash-remap)")), "{said}");
+    let pruned = read(&d.join("p.gguf"));
+    let (pne, ptable) = tensor(&pruned, &Header::parse(&pruned).unwrap(), "blk.0.ffn_gate_tid2eid.weight");
+    assert_eq!(pne, ne);
+    let want: Vec<i32> = rows.iter().flatten().map(|&e| keep[0].iter().position(|&x| x as i32 == e).unwrap() as i32).collect();
+    assert_eq!(ptable.len(), want.len());
+    if let Some(i) = (0..want.len()).find(|&i| ptable[i] != want[i]) {
+        panic!("token {}: the table row is {:?}, the rule gives {:?} (source row {:?})", i / k, &ptable[i / k * k..][..k], &want[i / k * k..][..k], &table[i / k * k..][..k]);
+    }
+    for row in ptable.chunks(k) {
+        assert!(row.iter().all(|&e| (0..K as i32).contains(&e)) && (1..k).all(|i| !row[..i].contains(&row[i])), "row {row:?}");
+    }
+    // the pruned model, calibrated again, routes each token of block 0 to its row's experts
+    let (orig, after) = quantize_run_and_recalibrate(&d);
+    let sorted = |mut v: Vec<u16>| {
+        v.sort_unstable();
+        v
+    };
+    let mut changed = 0;
+    for (i, (o, p)) in orig.iter().zip(&after).enumerate() {
+        assert_eq!((o.0, o.1, o.2), (p.0, p.1, p.2), "row {i}");
+        let tok = o.2 as usize;
+        let before: Vec<u16> = table[tok * k..(tok + 1) * k].iter().map(|&e| e as u16).collect();
+        assert_eq!(sorted(o.3[0].clone()), sorted(before.clone()), "row {i}: the original routes block 0 by its table");
+        let now: Vec<u16> = p.3[0].iter().map(|&j| keep[0][j as usize]).collect();
+        assert_eq!(sorted(now.clone()), sorted(rows[tok].iter().map(|&e| e as u16).collect()), "row {i} (token {tok}): block 0");
+        changed += usize::from(sorted(now) != sorted(before));
+    }
+    assert!(changed > 0, "no calibration token met a remapped entry");
+
+    // replay --hash-remap routes block 0 of the original trace as the pruned model did
+    {
+        use reap_imatrix::analyze::replay::engine::{Keep, Router};
+        let blocks: Vec<u32> = sal.layers.iter().map(|l| l.layer).collect();
+        let (hash, flags, bias, tr, shape) = deepseek4_replay_inputs(&model, &d, &blocks, &keep);
+        let keep_arg = Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: Some(&hash), remap: Some(&ranks) };
+        let mut router = Router::new(shape, Some(keep_arg), false);
+        for (t, p) in after.iter().enumerate() {
+            let got = router.route(&tr.row(t as u64), 0).picks.to_vec();
+            assert_eq!(sorted(got), sorted(p.3[0].iter().map(|&j| keep[0][j as usize]).collect()), "row {t}: replayed block 0");
+        }
+    }
+    let replay = |m: &Path, extra: &[&str]| {
+        run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(d.join("t.bin")).arg("--keep-map").arg(m).arg("--model").arg(&model).args(extra))
+    };
+    let o = replay(&map, &["--hash-remap"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("block 0 routes by token id (ffn_gate_tid2eid): its picks are the trace's, a dropped one sent"), "{err}");
+    let o = replay(&map, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // eval --keep-map --hash-remap prunes the same file (the same figures as eval of p.gguf)
+    let eval = |extra: &[&std::ffi::OsStr], json: &Path| {
+        run_ok(
+            Command::new(ours())
+                .env("REAP_IMATRIX_HASH_CACHE", d.join("hashes.tsv"))
+                .args(["eval", "--base"])
+                .arg(&model)
+                .arg("-f")
+                .arg(corpus())
+                .args(["-t", "2", "-c", "128", "--chunks", "2", "--scratch"])
+                .arg(&d)
+                .args(extra)
+                .arg("--json")
+                .arg(json),
+        );
+        let v: Value = serde_json::from_slice(&read(json)).unwrap();
+        v["models"][0]["kld_mean"].as_f64().unwrap()
+    };
+    let via_map = eval(&["--keep-map".as_ref(), map.as_os_str(), "--hash-remap".as_ref()], &d.join("e1.json"));
+    let via_file = eval(&["-m".as_ref(), d.join("p.gguf").as_os_str()], &d.join("e2.json"));
+    assert_eq!(via_map, via_file);
+    assert!(via_map > 0.0);
+
+    // a map without a rank: refused with --hash-remap, naming what is missing
+    let mut bare = mj.clone();
+    for l in bare["layers"].as_array_mut().unwrap() {
+        l.as_object_mut().unwrap().remove("rank");
+    }
+    let bare = r.map(bare);
+    r.expect_on(&model, &bare, &["--hash-remap"], "but there is no rank for block 0 to send them to: the map has no \"rank\"");
+    // a keep list edited by hand, its rank not: refused with --hash-remap (elsewhere such a map
+    // serves as before: group_routed_models_keep_the_same_number_in_every_group edits one)
+    let mut edited = mj.clone();
+    let swap = (0..N_EXPERT).find(|e| !keep[0].contains(e) && named.contains(&(*e as i32))).unwrap();
+    let mut k0 = keep[0].clone();
+    k0[0] = swap;
+    k0.sort_unstable();
+    edited["layers"][0]["keep"] = json!(k0);
+    let edited = write_map(&d.join("edited.json"), edited);
+    r.expect_on(&model, &edited, &["--hash-remap"], "its \"rank\" does not list the kept experts, each once");
+    // and replay: without a rank, and without --model (which says where the tables are)
+    let o = replay(&bare, &["--hash-remap"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap: block 0 routes by token id, and the map has no \"rank\""), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--hash-remap", "--trace"]).arg(d.join("t.bin")).arg("--keep-map").arg(&map));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap needs --model"), "{}", String::from_utf8_lossy(&o.stderr));
 }

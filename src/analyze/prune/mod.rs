@@ -49,6 +49,12 @@ pub struct PruneArgs {
     /// then needs a separate MTP GGUF
     #[arg(long = "drop-nextn")]
     pub drop_nextn: bool,
+    /// In a hash-routed block (DeepSeek-V4's first blocks: `ffn_gate_tid2eid` names each token's
+    /// experts), send each table entry that names a dropped expert to the first kept expert of
+    /// the map's `rank` (best first; select writes it) that the token's row does not name yet.
+    /// This changes how those tokens route; without it such a map is refused
+    #[arg(long = "hash-remap")]
+    pub hash_remap: bool,
     /// Write the model as shards of at most N tensors, OUT-00001-of-0000K.gguf … (the files
     /// `llama-gguf-split --split --split-max-tensors N` would make of OUT.gguf)
     #[arg(long = "split-max-tensors", value_name = "N", conflicts_with = "split_max_size")]
@@ -73,6 +79,8 @@ pub struct PruneOptions {
     pub dry_run: bool,
     /// leave the nextn/MTP blocks out (`--drop-nextn`)
     pub drop_nextn: bool,
+    /// send hash-table entries of dropped experts to kept ones by the map's rank (`--hash-remap`)
+    pub hash_remap: bool,
     /// write shards (`--split-max-tensors`, `--split-max-size`) instead of `out` itself
     pub split: Option<split::SplitRule>,
 }
@@ -102,6 +110,9 @@ pub struct PruneReport {
     pub other_file_blocks: Vec<u32>,
     /// the file holds a nextn/MTP block alone (DeepSeek-V4's `mtp-NAME.gguf`)
     pub mtp_file: bool,
+    /// hash-routed blocks whose table named dropped experts, sent elsewhere (`--hash-remap`):
+    /// (block, entries, tokens)
+    pub hash_remapped: Vec<(u32, usize, usize)>,
     /// the shards written (or, with `dry_run`, to be written) in place of `out`; empty without
     /// a split rule
     pub shards: Vec<PathBuf>,
@@ -127,6 +138,7 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
         force: args.force,
         dry_run: args.dry_run,
         drop_nextn: args.drop_nextn,
+        hash_remap: args.hash_remap,
     };
     let t0 = std::time::Instant::now();
     let r = prune_model(&opts)?;
@@ -138,6 +150,9 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
         shape += &format!("; the MTP block alone (the map's entries for the trunk's blocks {:?} are the trunk file's)", r.other_file_blocks);
     } else if !r.other_file_blocks.is_empty() {
         shape += &format!("; the map's entry for block {:?} is the MTP file's: prune that with -m MTP-FILE and this map", r.other_file_blocks);
+    }
+    for (block, entries, tokens) in &r.hash_remapped {
+        shape += &format!("; block {block} routes by token id: {entries} table entries of {tokens} tokens sent to kept experts (--hash-remap)");
     }
     if args.dry_run {
         println!(
@@ -367,10 +382,14 @@ fn dropped_ids_message(map: &Path, tensor: &str, block: u32, n_expert: u64, k: u
     } else {
         format!(" A map that keeps all {} experts it names in block {block} (K ≥ {}) prunes it", d.named, d.named)
     };
+    let all = format!(
+        "{all}. Or pass --hash-remap: each such entry then names the kept expert the map ranks highest that the token's row lacks \
+         (those tokens route differently; docs/prune.md)"
+    );
     format!(
         "--keep-map {}: block {block} routes by token id ({tensor} names each token's experts; DeepSeek-V4's hash routing), and the map drops \
          experts it names: {}{more}, in {} entries of {} tokens (first: token {token}, slot {slot}, expert {expert}). Keeping {k} of {n_expert}, \
-         those tokens would have no expert to go to.{all}.",
+         those tokens would have no expert to go to.{all}",
         map.display(),
         shown.join(", "),
         d.entries,
@@ -521,18 +540,31 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let tensors_dropped = steps.len();
     steps.retain(|s| kept_tensor(&s.src.name));
     let tensors_dropped = tensors_dropped - steps.len();
+    let mut hash_remapped = Vec::new();
     for step in steps.iter_mut() {
         let Some(block) = plan::expert_id_table(&step.src.name) else { continue };
-        let map = if step.shard == 0 { &src.map } else { &shards.as_ref().unwrap().more[step.shard - 1].1.map };
+        let bytes = if step.shard == 0 { &src.map } else { &shards.as_ref().unwrap().more[step.shard - 1].1.map };
         let at = step.src_start as usize;
-        let data = map.get(at..at + step.src.nbytes() as usize).ok_or_else(|| usage(format!("-m {model_arg}: tensor {}: its data runs past the end of the file", step.src.name)))?;
+        let data = bytes.get(at..at + step.src.nbytes() as usize).ok_or_else(|| usage(format!("-m {model_arg}: tensor {}: its data runs past the end of the file", step.src.name)))?;
         let Some(slot) = blocks.iter().position(|&b| b == block) else {
             return Err(usage(format!("-m {model_arg}: tensor {}: a table of expert ids in block {block}, which has no router (blk.{block}.ffn_gate_inp.weight)", step.src.name)));
         };
-        step.data = Some(plan::remap_expert_ids(&step.src, data, &keep[slot], n_expert).map_err(|e| match e {
-            Err(broken) => usage(format!("-m {model_arg}: {broken}")),
-            Ok(d) => usage(dropped_ids_message(&opts.keep_map, &step.src.name, block, n_expert, k, &d)),
-        })?);
+        let rank = map.layers[slot].rank_of_kept();
+        let (data, moved) = plan::remap_expert_ids(&step.src, data, &keep[slot], n_expert, rank.as_ref().ok().copied().filter(|_| opts.hash_remap))
+            .map_err(|e| match e {
+                Err(broken) => usage(format!("-m {model_arg}: {broken}")),
+                Ok(d) if opts.hash_remap => usage(format!(
+                    "--keep-map {}: block {block} routes by token id ({}) and the map drops {} of the experts it names, but there is no rank \
+                     for block {block} to send them to: {}",
+                    opts.keep_map.display(),
+                    step.src.name,
+                    d.experts.len(),
+                    rank.as_ref().err().map_or("", |s| s.as_str())
+                )),
+                Ok(d) => usage(dropped_ids_message(&opts.keep_map, &step.src.name, block, n_expert, k, &d)),
+            })?;
+        step.data = Some(data);
+        hash_remapped.extend(moved.map(|d| (block, d.entries, d.tokens)));
     }
     let count_kv = h.kv(&count_key).unwrap();
     let new_count = Header::encode_uint(count_kv, k as u64).map_err(|e| usage(format!("-m {model_arg}: {e}")))?;
@@ -602,6 +634,7 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         tensors_dropped,
         other_file_blocks: foreign.clone(),
         mtp_file: mtp_only,
+        hash_remapped: hash_remapped.clone(),
         shards: split_plan.as_ref().map_or_else(Vec::new, |(_, paths)| paths.clone()),
     };
     if opts.dry_run {

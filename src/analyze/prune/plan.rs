@@ -89,7 +89,7 @@ pub fn expert_id_table(name: &str) -> Option<u32> {
 
 /// Why a table of expert ids cannot be pruned as the keep map asks: the table names experts
 /// the map drops.
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct DroppedIds {
     /// the distinct experts the table names (of the model's n_expert)
     pub named: usize,
@@ -102,11 +102,39 @@ pub struct DroppedIds {
     pub first: (usize, usize, u32),
 }
 
+/// `--hash-remap`'s rule for one token's row of a hash-routed block: each entry naming a
+/// dropped expert (not `kept`), slot by slot, becomes the first expert of `rank` (the kept
+/// experts, best first) that the row does not name yet. `replay --hash-remap` routes by the
+/// same rule as `prune --hash-remap` writes the table. Returns the entries changed.
+pub fn hash_remap_row(row: &mut [u16], kept: impl Fn(u16) -> bool, rank: &[u16]) -> usize {
+    let mut changed = 0;
+    for slot in 0..row.len() {
+        if kept(row[slot]) {
+            continue;
+        }
+        // rank holds K ≥ the row's width kept experts, so one is free whenever K ≥ k
+        if let Some(&e) = rank.iter().find(|e| !row.contains(e)) {
+            row[slot] = e;
+            changed += 1;
+        }
+    }
+    changed
+}
+
 /// An expert-id table (`data`: `ne[0]` I32 ids per token, tokens along `ne[1]`) with each id
 /// renumbered to its position among the kept experts (`keep`, ascending), as the sliced
-/// expert tensors number them. An id outside `0..n_expert` is a broken model (Err(Err));
-/// ids of dropped experts leave the token without an expert to go to (Err(Ok)).
-pub fn remap_expert_ids(t: &TensorInfo, data: &[u8], keep: &[u16], n_expert: u64) -> Result<Vec<u8>, Result<DroppedIds, String>> {
+/// expert tensors number them. An id outside `0..n_expert` is a broken model (Err(Err)).
+/// Ids of dropped experts leave the token without an expert to go to (Err(Ok)), unless
+/// `remap` gives the kept experts best first (`prune --hash-remap`): then each such entry, slot
+/// by slot, names the first of them its token's row does not name yet (so a row never names
+/// an expert twice), and the Ok's second part says what was sent elsewhere.
+pub fn remap_expert_ids(
+    t: &TensorInfo,
+    data: &[u8],
+    keep: &[u16],
+    n_expert: u64,
+    remap: Option<&[u16]>,
+) -> Result<(Vec<u8>, Option<DroppedIds>), Result<DroppedIds, String>> {
     if t.ggml_type != crate::llama::sys::GGML_TYPE_I32 {
         return Err(Err(format!("tensor {}: a table of expert ids of type {} (the pin's loader reads I32)", t.name, t.ggml_type)));
     }
@@ -118,36 +146,41 @@ pub fn remap_expert_ids(t: &TensorInfo, data: &[u8], keep: &[u16], n_expert: u64
     for (i, &e) in keep.iter().enumerate() {
         new_id[e as usize] = i as i32;
     }
-    let mut out = Vec::with_capacity(data.len());
+    let mut ids: Vec<i32> = data.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
     let mut named = vec![false; n_expert as usize];
     let (mut entries, mut tokens, mut experts, mut first) = (0, 0, Vec::new(), None);
-    let mut last_token = usize::MAX;
-    for (i, c) in data.chunks_exact(4).enumerate() {
-        let id = i32::from_le_bytes(c.try_into().unwrap());
-        if id < 0 || id as u64 >= n_expert {
-            return Err(Err(format!("tensor {}: token {} names expert {id}, outside 0..{n_expert}", t.name, i / width)));
-        }
-        named[id as usize] = true;
-        let to = new_id[id as usize];
-        if to < 0 {
-            entries += 1;
-            if last_token != i / width {
-                tokens += 1;
-                last_token = i / width;
+    for (tok, row) in ids.chunks_mut(width).enumerate() {
+        let mut token_has = false;
+        for (slot, &id) in row.iter().enumerate() {
+            if id < 0 || id as u64 >= n_expert {
+                return Err(Err(format!("tensor {}: token {tok} names expert {id}, outside 0..{n_expert}", t.name)));
             }
+            named[id as usize] = true;
+            if new_id[id as usize] >= 0 {
+                continue;
+            }
+            entries += 1;
+            token_has = true;
             experts.push(id as u32);
-            first.get_or_insert((i / width, i % width, id as u32));
+            first.get_or_insert((tok, slot, id as u32));
         }
-        out.extend_from_slice(&to.to_le_bytes());
-    }
-    match first {
-        None => Ok(out),
-        Some(first) => {
-            experts.sort_unstable();
-            experts.dedup();
-            Err(Ok(DroppedIds { named: named.iter().filter(|&&n| n).count(), entries, tokens, experts, first }))
+        tokens += usize::from(token_has);
+        if let (true, Some(rank)) = (token_has, remap) {
+            let mut r: Vec<u16> = row.iter().map(|&e| e as u16).collect();
+            hash_remap_row(&mut r, |e| new_id[e as usize] >= 0, rank);
+            row.iter_mut().zip(r).for_each(|(x, e)| *x = e as i32);
         }
     }
+    let dropped = first.map(|first| {
+        experts.sort_unstable();
+        experts.dedup();
+        DroppedIds { named: named.iter().filter(|&&n| n).count(), entries, tokens, experts, first }
+    });
+    if let (Some(d), None) = (&dropped, remap) {
+        return Err(Ok(d.clone()));
+    }
+    let out = ids.iter().flat_map(|&id| new_id[id as usize].to_le_bytes()).collect();
+    Ok((out, dropped))
 }
 
 /// The block of an imatrix entry that holds one slice per expert.
@@ -352,19 +385,25 @@ mod tests {
     fn expert_id_tables_are_renumbered_or_refused() {
         let keep = [1u16, 3, 4, 6];
         let (t, d) = table(&[[1, 3], [4, 6], [6, 1]]);
-        let out = remap_expert_ids(&t, &d, &keep, 8).unwrap();
-        let got: Vec<i32> = out.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
-        assert_eq!(got, vec![0, 1, 2, 3, 3, 0]);
+        let i32s = |b: &[u8]| -> Vec<i32> { b.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect() };
+        let (out, none) = remap_expert_ids(&t, &d, &keep, 8, None).unwrap();
+        assert_eq!((i32s(&out), none), (vec![0, 1, 2, 3, 3, 0], None));
         let (t, d) = table(&[[1, 2], [0, 3], [4, 6], [2, 2]]);
-        let e = remap_expert_ids(&t, &d, &keep, 8).unwrap_err().unwrap();
+        let e = remap_expert_ids(&t, &d, &keep, 8, None).unwrap_err().unwrap();
         assert_eq!(e, DroppedIds { named: 6, entries: 4, tokens: 3, experts: vec![0, 2], first: (0, 1, 2) });
+        // --hash-remap, rank 4, 1, 6, 3: a dropped entry takes the first the row lacks (by hand:
+        // [1,2]→[1,4], [0,3]→[4,3], [2,2]→[4,1], [0,4]→[1,4]), then ids are renumbered
+        let (t, d) = table(&[[1, 2], [0, 3], [4, 6], [2, 2], [0, 4]]);
+        let (out, moved) = remap_expert_ids(&t, &d, &keep, 8, Some(&[4, 1, 6, 3])).unwrap();
+        assert_eq!(i32s(&out), vec![0, 2, 2, 1, 2, 3, 2, 0, 0, 2]);
+        assert_eq!(moved, Some(DroppedIds { named: 6, entries: 5, tokens: 4, experts: vec![0, 2], first: (0, 1, 2) }));
         let (t, d) = table(&[[1, 8]]);
-        assert!(remap_expert_ids(&t, &d, &keep, 8).unwrap_err().unwrap_err().contains("token 0 names expert 8, outside 0..8"));
+        assert!(remap_expert_ids(&t, &d, &keep, 8, None).unwrap_err().unwrap_err().contains("token 0 names expert 8, outside 0..8"));
         let (t, d) = table(&[[1, -1]]);
-        assert!(remap_expert_ids(&t, &d, &keep, 8).unwrap_err().unwrap_err().contains("names expert -1"));
+        assert!(remap_expert_ids(&t, &d, &keep, 8, None).unwrap_err().unwrap_err().contains("names expert -1"));
         let (mut t, d) = table(&[[1, 3]]);
         t.ggml_type = sys::GGML_TYPE_F32;
-        assert!(remap_expert_ids(&t, &d, &keep, 8).unwrap_err().unwrap_err().contains("I32"));
+        assert!(remap_expert_ids(&t, &d, &keep, 8, None).unwrap_err().unwrap_err().contains("I32"));
     }
 
     #[test]

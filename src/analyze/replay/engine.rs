@@ -134,13 +134,17 @@ pub struct Keep<'a> {
     pub groups: Option<(usize, usize)>,
     /// per layer: routed by a fixed table, not by scores (DeepSeek-V4's hash-routed blocks,
     /// `ffn_gate_tid2eid`): the pruned model's picks there are the trace's own (renumbered), so
-    /// those layers are not re-routed. The caller checks that the map keeps every such pick.
+    /// those layers are not re-routed. The caller checks that the map keeps every such pick,
+    /// unless `remap` is given.
     pub fixed: Option<&'a [bool]>,
+    /// per layer: the kept experts best first (the keep map's `rank`; `--hash-remap`): in a
+    /// `fixed` layer a pick the map drops goes where `prune --hash-remap` sends it
+    pub remap: Option<&'a [Vec<u16>]>,
 }
 
 impl<'a> From<&'a [bool]> for Keep<'a> {
     fn from(flags: &'a [bool]) -> Self {
-        Keep { flags, bias: None, renormalise: false, groups: None, fixed: None }
+        Keep { flags, bias: None, renormalise: false, groups: None, fixed: None, remap: None }
     }
 }
 
@@ -228,6 +232,20 @@ impl<'a> Router<'a> {
         // a table-routed layer keeps the trace's picks (all kept: checked by the caller)
         let fixed = self.keep.and_then(|kp| kp.fixed).is_some_and(|f| f.get(li) == Some(&true));
         match self.keep_layer(li).filter(|_| !fixed) {
+            None if fixed && self.keep.is_some_and(|kp| kp.remap.is_some()) => {
+                let (kp, sel) = (self.keep.unwrap(), row.sel_ids(li));
+                let flags = &kp.flags[li * ne..(li + 1) * ne];
+                let ids = &mut self.ids[..sel.len()];
+                ids.copy_from_slice(sel);
+                crate::analyze::prune::plan::hash_remap_row(ids, |e| flags[e as usize], &kp.remap.unwrap()[li]);
+                if self.want_ranks {
+                    let cand = row.cand_ids(li);
+                    for (j, e) in ids.iter().enumerate() {
+                        self.ranks[j] = cand.iter().position(|c| c == e).map_or(NONE, |r| r as u16);
+                    }
+                }
+                Routed { picks: &self.ids[..sel.len()], ranks: &self.ranks[..sel.len()], forced: 0 }
+            }
             None => {
                 let sel = row.sel_ids(li);
                 if self.want_ranks {

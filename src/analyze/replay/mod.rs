@@ -110,6 +110,11 @@ pub struct ReplayArgs {
     /// every expert), the other slots forced misses (docs/replay.md)
     #[arg(long = "keep-map", value_name = "FILE")]
     pub keep_map: Option<PathBuf>,
+    /// With --keep-map and --model: in a hash-routed block (DeepSeek-V4's `ffn_gate_tid2eid`),
+    /// send a pick the map drops where `prune --hash-remap` sends it (the first kept expert of
+    /// the map's `rank` the token's row lacks), instead of refusing the map
+    #[arg(long = "hash-remap", requires = "keep_map")]
+    pub hash_remap: bool,
     /// The saliency JSON of the trace's run: confirms whether the keep map was fitted on it
     #[arg(long, value_name = "FILE")]
     pub reap: Option<PathBuf>,
@@ -382,16 +387,39 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     // DeepSeek-V4's hash-routed blocks: not re-routed (the pruned model's table keeps each
     // token's experts), and refused where the map drops one of the trace's picks there, as
     // prune refuses it
+    if args.hash_remap && args.model.is_none() {
+        return Err(usage("--hash-remap needs --model: the model's tables say which blocks route by token id".into()));
+    }
     let hash = match (&km, &args.model, &keep_flags) {
         (Some((p, _)), Some(model), Some(flags)) => {
             let hash = gguf::hash_blocks(model, &h.layers).map_err(|e| usage(format!("--model: {e:#}")))?;
             if let Some(li) = hash.iter().position(|&x| x) {
-                hash_picks_kept(p, &trace, &hash, flags, ne)?;
-                let w = format!("block {} routes by token id (ffn_gate_tid2eid): its picks are the trace's, not re-routed", h.layers[li]);
-                eprintln!("note: {w}");
+                let how = if args.hash_remap {
+                    "the trace's, a dropped one sent to the first kept expert of the map's rank the row lacks (--hash-remap)"
+                } else {
+                    hash_picks_kept(p, &trace, &hash, flags, ne)?;
+                    "the trace's, not re-routed"
+                };
+                eprintln!("note: block {} routes by token id (ffn_gate_tid2eid): its picks are {how}", h.layers[li]);
             }
             Some(hash).filter(|v| v.iter().any(|&x| x))
         }
+        _ => None,
+    };
+    // --hash-remap: each hash-routed layer's kept experts best first
+    let remap: Option<Vec<Vec<u16>>> = match (&hash, &km) {
+        (Some(hash), Some((p, m))) if args.hash_remap => Some(
+            m.layers
+                .iter()
+                .zip(hash)
+                .zip(&h.layers)
+                .map(|((l, &x), b)| match (l.rank_of_kept(), x) {
+                    (Ok(r), _) => Ok(r.to_vec()),
+                    (Err(_), false) => Ok(Vec::new()),
+                    (Err(why), true) => Err(usage(format!("--keep-map {}: --hash-remap: block {b} routes by token id, and {why}", p.display()))),
+                })
+                .collect::<Result<_>>()?,
+        ),
         _ => None,
     };
     // the selection bias (and whether the router is a softmax) that re-routing follows
@@ -490,6 +518,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
             renormalise: reroute.as_ref().is_some_and(|(_, r)| *r),
             groups,
             fixed: hash.as_deref(),
+            remap: remap.as_deref(),
         }),
         &run_policies,
         &cap_layers,
@@ -587,7 +616,8 @@ fn hash_picks_kept(map: &Path, trace: &TraceReader, hash: &[bool], flags: &[bool
         for (li, _) in hash.iter().enumerate().filter(|(_, &x)| x) {
             if let Some(&e) = row.sel_ids(li).iter().find(|&&e| !flags[li * ne + e as usize]) {
                 return Err(usage(format!(
-                    "--keep-map {}: block {} routes by token id (DeepSeek-V4's hash routing: ffn_gate_tid2eid), and the map drops expert {e},                      which row {i} (token {}) is routed to there; prune refuses such a map",
+                    "--keep-map {}: block {} routes by token id (DeepSeek-V4's hash routing: ffn_gate_tid2eid), and the map drops expert {e}, \
+                     which row {i} (token {}) is routed to there; prune refuses such a map unless given --hash-remap",
                     map.display(),
                     trace.header.layers[li],
                     row.token()

@@ -383,7 +383,7 @@ fn biased_rerouting_names_exactly_the_certain_picks() {
         let path = write_trace(&format!("biased-{top_n}-{softmax}"), ne as u32, k as u32, top_n as u32, &toks);
         let tr = TraceReader::open(&path).unwrap();
         let shape = Shape { n_layers: 1, n_expert: ne, k };
-        let mut r = engine::Router::new(shape, Some(Keep { flags: &keep, bias: Some(&bias), renormalise: softmax, groups: None, fixed: None }), true);
+        let mut r = engine::Router::new(shape, Some(Keep { flags: &keep, bias: Some(&bias), renormalise: softmax, groups: None, fixed: None, remap: None }), true);
         for (t, (certain, score, p, by_p)) in truth.iter().enumerate() {
             let row = tr.row(t as u64);
             let x = r.route(&row, 0);
@@ -497,7 +497,7 @@ fn grouped_rerouting_follows_the_chosen_groups() {
         let path = write_trace(&format!("grouped-{with_bias}-{softmax}"), ne as u32, k as u32, ne as u32, &toks);
         let tr = TraceReader::open(&path).unwrap();
         let shape = Shape { n_layers: 1, n_expert: ne, k };
-        let keep_arg = Keep { flags: &keep, bias: with_bias.then_some(&bias[..]), renormalise: softmax, groups: Some((g, used)), fixed: None };
+        let keep_arg = Keep { flags: &keep, bias: with_bias.then_some(&bias[..]), renormalise: softmax, groups: Some((g, used)), fixed: None, remap: None };
         let mut r = engine::Router::new(shape, Some(keep_arg), true);
         let mut full = 0;
         for (t, (want, tie)) in truth.iter().enumerate() {
