@@ -1337,28 +1337,28 @@ fn a_deepseek4_model_with_a_hash_routed_block_prunes_quantizes_and_routes_as_bef
 }
 
 /// `--hash-remap`'s rule, written from docs/prune.md: in each token's row of a hash table, an
-/// entry naming an expert `keep` lacks, slot by slot, becomes the first of `rank` the row does
-/// not name yet.
-fn remap_row_by_rank(row: &[i32], keep: &[u16], rank: &[u16]) -> Vec<i32> {
+/// entry naming an expert `keep` lacks, slot by slot, becomes the first of `stand_in` the row
+/// does not name yet.
+fn remap_row(row: &[i32], keep: &[u16], stand_in: &[u16]) -> Vec<i32> {
     let mut out = row.to_vec();
     for s in 0..out.len() {
         if !keep.contains(&(out[s] as u16)) {
-            out[s] = rank.iter().map(|&e| e as i32).find(|e| !out.contains(e)).expect("a free kept expert");
+            out[s] = stand_in.iter().map(|&e| e as i32).find(|e| !out.contains(e)).expect("a free kept expert");
         }
     }
     out
 }
 
 /// DeepSeek-V4 pruned below the experts its hash block's table names (K = 12 of 32): select's
-/// map ranks each block's kept experts by the method's score (checked against the saliency
-/// JSON); prune refuses the map without `--hash-remap` and with it writes the table the rule
+/// map lists each block's kept experts in stand-in order (smallest mean REAP contribution
+/// first; checked against the saliency JSON); prune refuses the map without `--hash-remap` and with it writes the table the rule
 /// gives (recomputed here from the source table), which upstream llama-quantize and
 /// llama-perplexity take; the pruned model, calibrated again, routes every token of the hash
 /// block to that row's experts; replay --hash-remap on the original trace routes the block as
-/// the pruned model did; eval --hash-remap prunes the same file. A map without a rank is
-/// refused with --hash-remap.
+/// the pruned model did; eval --hash-remap prunes the same file. A map without a stand-in
+/// order, or with one that does not list its kept experts, is refused with --hash-remap.
 #[test]
-fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_by_rank() {
+fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_to_stand_ins() {
     let d = temp_dir("prune-deepseek4-remap");
     let model = fixture("deepseek4");
     calibrate(&d, &model);
@@ -1368,22 +1368,30 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_by_rank()
     let mj: Value = serde_json::from_slice(&read(&map)).unwrap_or_else(|e| panic!("{}: {e}", map.display()));
     let sal = Saliency::read(&d.join("imatrix.reap.json")).unwrap();
     let mut keep: Vec<Vec<u16>> = Vec::new();
-    let mut ranks: Vec<Vec<u16>> = Vec::new();
+    let mut stand_ins: Vec<Vec<u16>> = Vec::new();
     for (l, s) in mj["layers"].as_array().unwrap().iter().zip(&sal.layers) {
         let ids = |k: &str| -> Vec<u16> { l[k].as_array().unwrap_or_else(|| panic!("no {k} in {l}")).iter().map(|x| x.as_u64().unwrap() as u16).collect() };
-        let (kp, rk) = (ids("keep"), ids("rank"));
-        let mut sorted = rk.clone();
+        let (kp, si) = (ids("keep"), ids("stand_in"));
+        let mut sorted = si.clone();
         sorted.sort_unstable();
-        assert_eq!(sorted, kp, "block {}: rank is the kept experts", s.layer);
-        // best first by reap_l2_sum, ties by id (every kept expert is live)
-        for w in rk.windows(2) {
-            let (a, b) = (s.reap_l2_sum[w[0] as usize], s.reap_l2_sum[w[1] as usize]);
-            assert!(a > b || (a == b && w[0] < w[1]), "block {}: rank {rk:?} puts {} ({a}) before {} ({b})", s.layer, w[0], w[1]);
+        assert_eq!(sorted, kp, "block {}: stand_in lists the kept experts", s.layer);
+        // the smallest reap_l2_sum / count first, ties by id (every kept expert is live here)
+        for w in si.windows(2) {
+            let mean = |e: u16| s.reap_l2_sum[e as usize] / s.count[e as usize] as f64;
+            let (a, b) = (mean(w[0]), mean(w[1]));
+            assert!(a < b || (a == b && w[0] < w[1]), "block {}: stand_in {si:?} puts {} ({a}) before {} ({b})", s.layer, w[0], w[1]);
         }
         keep.push(kp);
-        ranks.push(rk);
+        stand_ins.push(si);
     }
     assert_eq!(keep[0].len(), K);
+    // a model without hash routing gets maps without stand_in
+    let q = d.join("qwen3moe");
+    std::fs::create_dir_all(&q).unwrap();
+    calibrate(&q, &fixture("qwen3moe"));
+    run_ok(Command::new(ours()).current_dir(&q).args(["select", "--reap", "imatrix.reap.json", "--method", "reap_l2_sum", "--k", "12", "--out-dir", "."]));
+    let qm: Value = serde_json::from_slice(&read(&q.join("keep_reap_l2_sum_k12.json"))).unwrap();
+    assert!(qm["layers"].as_array().unwrap().iter().all(|l| l.get("stand_in").is_none() && l.get("keep").is_some()), "{qm}");
 
     // the source table names more than K experts: refused without the flag
     let src = read(&model);
@@ -1398,11 +1406,11 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_by_rank()
     let named: std::collections::BTreeSet<i32> = table.iter().copied().collect();
     assert!(named.len() > K, "the table names {} experts", named.len());
     let r = Refusal::new("deepseek4-remap");
-    r.expect_on(&model, &map, &[], "Or pass --hash-remap: each such entry then names the kept expert the map ranks highest that the token's row lacks");
+    r.expect_on(&model, &map, &[], "Or pass --hash-remap: each such entry then names the first kept expert of the map's stand_in list that the token's row lacks");
 
     // with it: the table the rule gives, renumbered
     let out = prune_ok(&model, &map, &d.join("p.gguf"), &["--hash-remap", "--imatrix", "imatrix.gguf", "--imatrix-out", "p.imatrix.gguf"]);
-    let rows: Vec<Vec<i32>> = table.chunks(k).map(|row| remap_row_by_rank(row, &keep[0], &ranks[0])).collect();
+    let rows: Vec<Vec<i32>> = table.chunks(k).map(|row| remap_row(row, &keep[0], &stand_ins[0])).collect();
     let moved = table.iter().filter(|&&e| !keep[0].contains(&(e as u16))).count();
     let moved_tokens = table.chunks(k).filter(|row| row.iter().any(|&e| !keep[0].contains(&(e as u16)))).count();
     let said = String::from_utf8_lossy(&out.stdout);
@@ -1441,7 +1449,7 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_by_rank()
         use reap_imatrix::analyze::replay::engine::{Keep, Router};
         let blocks: Vec<u32> = sal.layers.iter().map(|l| l.layer).collect();
         let (hash, flags, bias, tr, shape) = deepseek4_replay_inputs(&model, &d, &blocks, &keep);
-        let keep_arg = Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: Some(&hash), remap: Some(&ranks) };
+        let keep_arg = Keep { flags: &flags, bias: Some(&bias), renormalise: false, groups: None, fixed: Some(&hash), remap: Some(&stand_ins) };
         let mut router = Router::new(shape, Some(keep_arg), false);
         for (t, p) in after.iter().enumerate() {
             let got = router.route(&tr.row(t as u64), 0).picks.to_vec();
@@ -1480,14 +1488,14 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_by_rank()
     assert_eq!(via_map, via_file);
     assert!(via_map > 0.0);
 
-    // a map without a rank: refused with --hash-remap, naming what is missing
+    // a map without a stand-in order: refused with --hash-remap, naming what is missing
     let mut bare = mj.clone();
     for l in bare["layers"].as_array_mut().unwrap() {
-        l.as_object_mut().unwrap().remove("rank");
+        l.as_object_mut().unwrap().remove("stand_in");
     }
     let bare = r.map(bare);
-    r.expect_on(&model, &bare, &["--hash-remap"], "but there is no rank for block 0 to send them to: the map has no \"rank\"");
-    // a keep list edited by hand, its rank not: refused with --hash-remap (elsewhere such a map
+    r.expect_on(&model, &bare, &["--hash-remap"], "but there is no stand-in order for block 0: the map has no \"stand_in\"");
+    // a keep list edited by hand, its stand_in not: refused with --hash-remap (elsewhere such a map
     // serves as before: group_routed_models_keep_the_same_number_in_every_group edits one)
     let mut edited = mj.clone();
     let swap = (0..N_EXPERT).find(|e| !keep[0].contains(e) && named.contains(&(*e as i32))).unwrap();
@@ -1496,11 +1504,11 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_by_rank()
     k0.sort_unstable();
     edited["layers"][0]["keep"] = json!(k0);
     let edited = write_map(&d.join("edited.json"), edited);
-    r.expect_on(&model, &edited, &["--hash-remap"], "its \"rank\" does not list the kept experts, each once");
-    // and replay: without a rank, and without --model (which says where the tables are)
+    r.expect_on(&model, &edited, &["--hash-remap"], "its \"stand_in\" does not list the kept experts, each once");
+    // and replay: without a stand-in order, and without --model (which says where the tables are)
     let o = replay(&bare, &["--hash-remap"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap: block 0 routes by token id, and the map has no \"rank\""), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap: block 0 routes by token id, and the map has no \"stand_in\""), "{}", String::from_utf8_lossy(&o.stderr));
     let o = run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--hash-remap", "--trace"]).arg(d.join("t.bin")).arg("--keep-map").arg(&map));
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap needs --model"), "{}", String::from_utf8_lossy(&o.stderr));

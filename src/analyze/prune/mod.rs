@@ -51,8 +51,9 @@ pub struct PruneArgs {
     pub drop_nextn: bool,
     /// In a hash-routed block (DeepSeek-V4's first blocks: `ffn_gate_tid2eid` names each token's
     /// experts), send each table entry that names a dropped expert to the first kept expert of
-    /// the map's `rank` (best first; select writes it) that the token's row does not name yet.
-    /// This changes how those tokens route; without it such a map is refused
+    /// the map's `stand_in` list (select writes it: the smallest mean REAP contribution first)
+    /// that the token's row does not name yet. This changes how those tokens route; without it
+    /// such a map is refused
     #[arg(long = "hash-remap")]
     pub hash_remap: bool,
     /// Write the model as shards of at most N tensors, OUT-00001-of-0000K.gguf … (the files
@@ -79,7 +80,7 @@ pub struct PruneOptions {
     pub dry_run: bool,
     /// leave the nextn/MTP blocks out (`--drop-nextn`)
     pub drop_nextn: bool,
-    /// send hash-table entries of dropped experts to kept ones by the map's rank (`--hash-remap`)
+    /// send hash-table entries of dropped experts to kept ones by the map's stand_in (`--hash-remap`)
     pub hash_remap: bool,
     /// write shards (`--split-max-tensors`, `--split-max-size`) instead of `out` itself
     pub split: Option<split::SplitRule>,
@@ -383,8 +384,8 @@ fn dropped_ids_message(map: &Path, tensor: &str, block: u32, n_expert: u64, k: u
         format!(" A map that keeps all {} experts it names in block {block} (K ≥ {}) prunes it", d.named, d.named)
     };
     let all = format!(
-        "{all}. Or pass --hash-remap: each such entry then names the kept expert the map ranks highest that the token's row lacks \
-         (those tokens route differently; docs/prune.md)"
+        "{all}. Or pass --hash-remap: each such entry then names the first kept expert of the map's stand_in list that the token's \
+         row lacks (those tokens route differently; docs/prune.md)"
     );
     format!(
         "--keep-map {}: block {block} routes by token id ({tensor} names each token's experts; DeepSeek-V4's hash routing), and the map drops \
@@ -549,17 +550,17 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         let Some(slot) = blocks.iter().position(|&b| b == block) else {
             return Err(usage(format!("-m {model_arg}: tensor {}: a table of expert ids in block {block}, which has no router (blk.{block}.ffn_gate_inp.weight)", step.src.name)));
         };
-        let rank = map.layers[slot].rank_of_kept();
-        let (data, moved) = plan::remap_expert_ids(&step.src, data, &keep[slot], n_expert, rank.as_ref().ok().copied().filter(|_| opts.hash_remap))
+        let order = map.layers[slot].stand_ins();
+        let (data, moved) = plan::remap_expert_ids(&step.src, data, &keep[slot], n_expert, order.as_ref().ok().copied().filter(|_| opts.hash_remap))
             .map_err(|e| match e {
                 Err(broken) => usage(format!("-m {model_arg}: {broken}")),
                 Ok(d) if opts.hash_remap => usage(format!(
-                    "--keep-map {}: block {block} routes by token id ({}) and the map drops {} of the experts it names, but there is no rank \
-                     for block {block} to send them to: {}",
+                    "--keep-map {}: block {block} routes by token id ({}) and the map drops {} of the experts it names, but there is no \
+                     stand-in order for block {block}: {}",
                     opts.keep_map.display(),
                     step.src.name,
                     d.experts.len(),
-                    rank.as_ref().err().map_or("", |s| s.as_str())
+                    order.as_ref().err().map_or("", |s| s.as_str())
                 )),
                 Ok(d) => usage(dropped_ids_message(&opts.keep_map, &step.src.name, block, n_expert, k, &d)),
             })?;

@@ -27,6 +27,9 @@ const ROUTER_PER_COLUMN: &[&str] = &["scale"];
 /// scores. Pruning renumbers the ids ([remap_expert_ids]).
 const EXPERT_ID_TABLES: &[&str] = &["ffn_gate_tid2eid"];
 
+/// Architectures whose blocks may route by such a table (select writes their maps' `stand_in`).
+pub const HASH_ROUTED_ARCHS: &[&str] = &["deepseek4"];
+
 /// Names that end like a per-expert tensor but hold one vector for the whole layer.
 const NOT_PER_EXPERT: &[&str] = &["ffn_norm_exps"];
 
@@ -103,17 +106,18 @@ pub struct DroppedIds {
 }
 
 /// `--hash-remap`'s rule for one token's row of a hash-routed block: each entry naming a
-/// dropped expert (not `kept`), slot by slot, becomes the first expert of `rank` (the kept
-/// experts, best first) that the row does not name yet. `replay --hash-remap` routes by the
-/// same rule as `prune --hash-remap` writes the table. Returns the entries changed.
-pub fn hash_remap_row(row: &mut [u16], kept: impl Fn(u16) -> bool, rank: &[u16]) -> usize {
+/// dropped expert (not `kept`), slot by slot, becomes the first expert of `stand_in` (the kept
+/// experts in the keep map's stand-in order) that the row does not name yet. `replay
+/// --hash-remap` routes by the same rule as `prune --hash-remap` writes the table. Returns the
+/// entries changed.
+pub fn hash_remap_row(row: &mut [u16], kept: impl Fn(u16) -> bool, stand_in: &[u16]) -> usize {
     let mut changed = 0;
     for slot in 0..row.len() {
         if kept(row[slot]) {
             continue;
         }
-        // rank holds K ≥ the row's width kept experts, so one is free whenever K ≥ k
-        if let Some(&e) = rank.iter().find(|e| !row.contains(e)) {
+        // stand_in holds K ≥ the row's width kept experts, so one is free whenever K ≥ k
+        if let Some(&e) = stand_in.iter().find(|e| !row.contains(e)) {
             row[slot] = e;
             changed += 1;
         }
@@ -125,9 +129,9 @@ pub fn hash_remap_row(row: &mut [u16], kept: impl Fn(u16) -> bool, rank: &[u16])
 /// renumbered to its position among the kept experts (`keep`, ascending), as the sliced
 /// expert tensors number them. An id outside `0..n_expert` is a broken model (Err(Err)).
 /// Ids of dropped experts leave the token without an expert to go to (Err(Ok)), unless
-/// `remap` gives the kept experts best first (`prune --hash-remap`): then each such entry, slot
-/// by slot, names the first of them its token's row does not name yet (so a row never names
-/// an expert twice), and the Ok's second part says what was sent elsewhere.
+/// `remap` gives the kept experts in stand-in order (`prune --hash-remap`): then each such entry,
+/// slot by slot, names the first of them its token's row does not name yet (so a row never
+/// names an expert twice), and the Ok's second part says what was sent elsewhere.
 pub fn remap_expert_ids(
     t: &TensorInfo,
     data: &[u8],
@@ -165,9 +169,9 @@ pub fn remap_expert_ids(
             first.get_or_insert((tok, slot, id as u32));
         }
         tokens += usize::from(token_has);
-        if let (true, Some(rank)) = (token_has, remap) {
+        if let (true, Some(order)) = (token_has, remap) {
             let mut r: Vec<u16> = row.iter().map(|&e| e as u16).collect();
-            hash_remap_row(&mut r, |e| new_id[e as usize] >= 0, rank);
+            hash_remap_row(&mut r, |e| new_id[e as usize] >= 0, order);
             row.iter_mut().zip(r).for_each(|(x, e)| *x = e as i32);
         }
     }
@@ -391,7 +395,7 @@ mod tests {
         let (t, d) = table(&[[1, 2], [0, 3], [4, 6], [2, 2]]);
         let e = remap_expert_ids(&t, &d, &keep, 8, None).unwrap_err().unwrap();
         assert_eq!(e, DroppedIds { named: 6, entries: 4, tokens: 3, experts: vec![0, 2], first: (0, 1, 2) });
-        // --hash-remap, rank 4, 1, 6, 3: a dropped entry takes the first the row lacks (by hand:
+        // --hash-remap, stand-ins 4, 1, 6, 3: a dropped entry takes the first the row lacks (by hand:
         // [1,2]→[1,4], [0,3]→[4,3], [2,2]→[4,1], [0,4]→[1,4]), then ids are renumbered
         let (t, d) = table(&[[1, 2], [0, 3], [4, 6], [2, 2], [0, 4]]);
         let (out, moved) = remap_expert_ids(&t, &d, &keep, 8, Some(&[4, 1, 6, 3])).unwrap();

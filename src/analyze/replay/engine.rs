@@ -137,8 +137,8 @@ pub struct Keep<'a> {
     /// those layers are not re-routed. The caller checks that the map keeps every such pick,
     /// unless `remap` is given.
     pub fixed: Option<&'a [bool]>,
-    /// per layer: the kept experts best first (the keep map's `rank`; `--hash-remap`): in a
-    /// `fixed` layer a pick the map drops goes where `prune --hash-remap` sends it
+    /// per layer: the kept experts in stand-in order (the keep map's `stand_in`; `--hash-remap`):
+    /// in a `fixed` layer a pick the map drops goes where `prune --hash-remap` sends it
     pub remap: Option<&'a [Vec<u16>]>,
 }
 

@@ -112,7 +112,7 @@ pub struct ReplayArgs {
     pub keep_map: Option<PathBuf>,
     /// With --keep-map and --model: in a hash-routed block (DeepSeek-V4's `ffn_gate_tid2eid`),
     /// send a pick the map drops where `prune --hash-remap` sends it (the first kept expert of
-    /// the map's `rank` the token's row lacks), instead of refusing the map
+    /// the map's `stand_in` list the token's row lacks), instead of refusing the map
     #[arg(long = "hash-remap", requires = "keep_map")]
     pub hash_remap: bool,
     /// The saliency JSON of the trace's run: confirms whether the keep map was fitted on it
@@ -395,7 +395,7 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
             let hash = gguf::hash_blocks(model, &h.layers).map_err(|e| usage(format!("--model: {e:#}")))?;
             if let Some(li) = hash.iter().position(|&x| x) {
                 let how = if args.hash_remap {
-                    "the trace's, a dropped one sent to the first kept expert of the map's rank the row lacks (--hash-remap)"
+                    "the trace's, a dropped one sent to the first kept expert of the map's stand_in the row lacks (--hash-remap)"
                 } else {
                     hash_picks_kept(p, &trace, &hash, flags, ne)?;
                     "the trace's, not re-routed"
@@ -406,14 +406,14 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         }
         _ => None,
     };
-    // --hash-remap: each hash-routed layer's kept experts best first
+    // --hash-remap: each hash-routed layer's stand-in order
     let remap: Option<Vec<Vec<u16>>> = match (&hash, &km) {
         (Some(hash), Some((p, m))) if args.hash_remap => Some(
             m.layers
                 .iter()
                 .zip(hash)
                 .zip(&h.layers)
-                .map(|((l, &x), b)| match (l.rank_of_kept(), x) {
+                .map(|((l, &x), b)| match (l.stand_ins(), x) {
                     (Ok(r), _) => Ok(r.to_vec()),
                     (Err(_), false) => Ok(Vec::new()),
                     (Err(why), true) => Err(usage(format!("--keep-map {}: --hash-remap: block {b} routes by token id, and {why}", p.display()))),

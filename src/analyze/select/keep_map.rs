@@ -60,19 +60,23 @@ pub struct KeepLayer {
     pub layer: Option<u32>,
     /// kept expert ids, sorted ascending, unique
     pub keep: Vec<u16>,
-    /// the same ids best first, by the selection's score (select writes it; a hand-made map may
-    /// leave it out): where `prune --hash-remap` sends a hash-routed token's dropped experts
-    pub rank: Option<Vec<u16>>,
+    /// the same ids in the order `prune --hash-remap` tries them as a stand-in for a dropped
+    /// expert a hash-routed token's row names (select writes it for models with hash routing:
+    /// the smallest mean REAP contribution per routed token first; a hand-made map may give any)
+    pub stand_in: Option<Vec<u16>>,
 }
 
 impl KeepLayer {
-    /// `rank`, where it lists exactly the kept experts; else why not (for a message).
-    pub fn rank_of_kept(&self) -> Result<&[u16], String> {
-        let r = self.rank.as_deref().ok_or("the map has no \"rank\" (select writes one: the kept experts best first)")?;
+    /// `stand_in`, where it lists exactly the kept experts; else why not (for a message).
+    pub fn stand_ins(&self) -> Result<&[u16], String> {
+        let r = self
+            .stand_in
+            .as_deref()
+            .ok_or("the map has no \"stand_in\" (select writes one for a model with hash routing: the kept experts in the order to try them)")?;
         let mut sorted = r.to_vec();
         sorted.sort_unstable();
         if sorted != self.keep {
-            return Err("its \"rank\" does not list the kept experts, each once (keep edited by hand? edit rank to match, best first)".into());
+            return Err("its \"stand_in\" does not list the kept experts, each once (keep edited by hand? edit stand_in to match)".into());
         }
         Ok(r)
     }
@@ -96,8 +100,8 @@ impl KeepMap {
             .enumerate()
             .map(|(i, l)| {
                 let mut v = json!({"layer": l.layer.unwrap_or(i as u32), "keep": l.keep});
-                if let Some(r) = &l.rank {
-                    v["rank"] = json!(r);
+                if let Some(r) = &l.stand_in {
+                    v["stand_in"] = json!(r);
                 }
                 v
             })
@@ -169,17 +173,17 @@ impl KeepMap {
         let layers = v.get("layers").and_then(Value::as_array).context("missing array \"layers\"")?;
         let mut out = Vec::with_capacity(layers.len());
         for (i, l) in layers.iter().enumerate() {
-            let (layer, ids, rank) = match l {
+            let (layer, ids, stand_in) = match l {
                 Value::Array(a) => (None, a, None),
                 Value::Object(_) => {
                     let layer =
                         l.get("layer").and_then(Value::as_u64).with_context(|| format!("layers[{i}]: missing integer \"layer\""))?;
                     let a = l.get("keep").and_then(Value::as_array).with_context(|| format!("layers[{i}]: missing array \"keep\""))?;
-                    let rank = match l.get("rank") {
+                    let stand_in = match l.get("stand_in") {
                         None | Some(Value::Null) => None,
-                        Some(r) => Some(r.as_array().with_context(|| format!("layers[{i}]: \"rank\" is not an array"))?),
+                        Some(r) => Some(r.as_array().with_context(|| format!("layers[{i}]: \"stand_in\" is not an array"))?),
                     };
-                    (Some(u32::try_from(layer).with_context(|| format!("layers[{i}]: layer {layer} is out of range"))?), a, rank)
+                    (Some(u32::try_from(layer).with_context(|| format!("layers[{i}]: layer {layer} is out of range"))?), a, stand_in)
                 }
                 _ => bail!("layers[{i}] is neither a list of ids nor an object"),
             };
@@ -193,10 +197,10 @@ impl KeepMap {
             if keep.windows(2).any(|w| w[0] == w[1]) {
                 bail!("layers[{i}] lists an expert twice");
             }
-            // checked against keep where it is used (KeepLayer::rank_of_kept): a map whose keep
+            // checked against keep where it is used (KeepLayer::stand_ins): a map whose keep
             // was edited by hand serves everything else as before
-            let rank = rank.map(ids_of).transpose()?;
-            out.push(KeepLayer { layer, keep, rank });
+            let stand_in = stand_in.map(ids_of).transpose()?;
+            out.push(KeepLayer { layer, keep, stand_in });
         }
         let source = match v.get("source") {
             Some(s @ Value::Object(_)) => Some(Source {
@@ -241,26 +245,26 @@ mod tests {
             parameters: json!({"min_count": 0}),
             source: Some(Source { path: "a.json".into(), sha256: sha256_hex(b"abc"), tokens: 10, trace_tokens_written: 4 }),
             model: Some(ModelRef { path: "m.gguf".into(), sha256: Some(sha256_hex(b"m")), expert_count: Some(8), shards: vec![("m-00002-of-00002.gguf".into(), sha256_hex(b"2"))], nextn_model: Some(("mtp-m.gguf".into(), Some(sha256_hex(b"mtp")))) }),
-            layers: vec![KeepLayer { layer: Some(3), keep: vec![1, 5], rank: Some(vec![5, 1]) }, KeepLayer { layer: Some(4), keep: vec![0, 2], rank: None }],
+            layers: vec![KeepLayer { layer: Some(3), keep: vec![1, 5], stand_in: Some(vec![5, 1]) }, KeepLayer { layer: Some(4), keep: vec![0, 2], stand_in: None }],
         };
         assert_eq!(KeepMap::from_json(&m.to_json()).unwrap(), m);
         assert_eq!(sha256_hex(b"abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
         let minimal = KeepMap::from_json(&json!({"method": "x", "k": 2, "layers": [[5, 1], [2, 0]]})).unwrap();
-        assert_eq!(minimal.layers[0], KeepLayer { layer: None, keep: vec![1, 5], rank: None });
+        assert_eq!(minimal.layers[0], KeepLayer { layer: None, keep: vec![1, 5], stand_in: None });
         assert!(minimal.source.is_none() && minimal.model.is_none());
         let e = KeepMap::from_json(&json!({"layers": [[1, 1]]})).unwrap_err();
         assert!(format!("{e:#}").contains("twice"), "{e:#}");
         let e = KeepMap::from_json(&json!({"layers": [[70000]]})).unwrap_err();
         assert!(format!("{e:#}").contains("not an expert id"), "{e:#}");
-        // a rank must be ids; it must list the kept experts, each once, where it is used
+        // stand_in must be ids; it must list the kept experts, each once, where it is used
         for bad in [json!("1,5"), json!([1, -5])] {
-            assert!(KeepMap::from_json(&json!({"layers": [{"layer": 0, "keep": [1, 5], "rank": bad}]})).is_err(), "{bad}");
+            assert!(KeepMap::from_json(&json!({"layers": [{"layer": 0, "keep": [1, 5], "stand_in": bad}]})).is_err(), "{bad}");
         }
         for bad in [json!([1]), json!([1, 1]), json!([1, 6]), json!([1, 5, 2])] {
-            let m = KeepMap::from_json(&json!({"layers": [{"layer": 0, "keep": [1, 5], "rank": bad}]})).unwrap();
-            assert!(m.layers[0].rank_of_kept().unwrap_err().contains("does not list the kept experts"), "{bad}");
+            let m = KeepMap::from_json(&json!({"layers": [{"layer": 0, "keep": [1, 5], "stand_in": bad}]})).unwrap();
+            assert!(m.layers[0].stand_ins().unwrap_err().contains("does not list the kept experts"), "{bad}");
         }
-        assert_eq!(m.layers[0].rank_of_kept(), Ok(&[5u16, 1][..]));
-        assert!(m.layers[1].rank_of_kept().unwrap_err().contains("no \"rank\""));
+        assert_eq!(m.layers[0].stand_ins(), Ok(&[5u16, 1][..]));
+        assert!(m.layers[1].stand_ins().unwrap_err().contains("no \"stand_in\""));
     }
 }

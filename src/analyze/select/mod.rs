@@ -102,19 +102,8 @@ pub fn layer_stats(l: &crate::formats::saliency::LayerSums, keep: &[u16]) -> Lay
 
 /// Keep sets of one method for every K: `[k_index][layer]`.
 pub fn select_method(s: &Saliency, method: Method, ks: &[usize], p: &Params) -> Vec<Vec<Vec<u16>>> {
-    let orders = method_orders(s, method, p);
+    let orders: Vec<Vec<usize>> = s.layers.iter().map(|l| score::order(l, &score::scores(l, method, p), p.min_count)).collect();
     ks.iter().map(|&k| orders.iter().map(|o| score::keep_set_grouped(o, k, p.groups)).collect()).collect()
-}
-
-/// Each layer's order of experts, best first, by `method`'s score (what [select_method] keeps
-/// the first K of).
-pub fn method_orders(s: &Saliency, method: Method, p: &Params) -> Vec<Vec<usize>> {
-    s.layers.iter().map(|l| score::order(l, &score::scores(l, method, p), p.min_count)).collect()
-}
-
-/// The kept experts in `order`'s order: a keep map's `rank`.
-pub fn rank_of(order: &[usize], keep: &[u16]) -> Vec<u16> {
-    order.iter().map(|&e| e as u16).filter(|e| keep.binary_search(e).is_ok()).collect()
 }
 
 /// The first layer (index into `layers`) where a smaller K's set is not inside the next K's.
@@ -281,14 +270,9 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
             _ => select_method(&sal, m, &ks, &params),
         })
         .collect();
-    // each layer's experts best first, for the maps' `rank`
-    let orders: Vec<Vec<Vec<usize>>> = methods
-        .iter()
-        .map(|&m| match (&reweighted, m) {
-            (Some((ws, _)), Method::ReapL2Sum) => method_orders(ws, m, &params),
-            _ => method_orders(&sal, m, &params),
-        })
-        .collect();
+    // a model with hash-routed blocks: each layer's stand-in order for `prune --hash-remap`
+    let arch = sal.metadata.get("model").and_then(|m| m.get("architecture")).and_then(Value::as_str);
+    let hash_routed = arch.is_some_and(|a| crate::analyze::prune::plan::HASH_ROUTED_ARCHS.contains(&a));
 
     // ---- screen (one pass for all maps), before any file: a damaged trace is refused
     let screened = match (&trace, &args.trace) {
@@ -333,8 +317,11 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
                     .layers
                     .iter()
                     .zip(&sets[mi][ki])
-                    .zip(&orders[mi])
-                    .map(|((l, keep), order)| KeepLayer { layer: Some(l.layer), keep: keep.clone(), rank: Some(rank_of(order, keep)) })
+                    .map(|(l, keep)| KeepLayer {
+                        layer: Some(l.layer),
+                        keep: keep.clone(),
+                        stand_in: hash_routed.then(|| score::stand_in_order(l, keep)),
+                    })
                     .collect(),
             };
             let path = args.out_dir.join(map_file_name(m, k));

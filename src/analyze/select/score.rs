@@ -223,6 +223,24 @@ pub fn order_by_score_only(scores: &[f64]) -> Vec<usize> {
     idx
 }
 
+/// The kept experts in the order `prune --hash-remap` tries them as a stand-in for a dropped
+/// expert that a hash-routed token's row names: the smallest mean REAP contribution per routed
+/// token (reap_l2_sum / count: gate × ‖output‖) first, so the stand-in adds as little as can be
+/// to what the dropped expert's small contribution was; experts never routed (nothing
+/// measured) last; ties by id.
+pub fn stand_in_order(l: &LayerSums, keep: &[u16]) -> Vec<u16> {
+    let key = |e: u16| {
+        let c = l.count[e as usize];
+        (c == 0, if c == 0 { 0.0 } else { l.reap_l2_sum[e as usize] / c as f64 })
+    };
+    let mut v = keep.to_vec();
+    v.sort_by(|&a, &b| {
+        let (x, y) = (key(a), key(b));
+        x.0.cmp(&y.0).then(x.1.total_cmp(&y.1)).then(a.cmp(&b))
+    });
+    v
+}
+
 /// The first `k` of an order, sorted ascending.
 pub fn keep_set(order: &[usize], k: usize) -> Vec<u16> {
     let mut keep: Vec<u16> = order[..k].iter().map(|&i| i as u16).collect();
@@ -275,6 +293,14 @@ mod tests {
             l.ean_sum[i] = 2.0 * mean * count as f64;
         }
         l
+    }
+
+    /// By hand from [skewed_layer]'s means: the rare (1.5; a tie, so by id) before the bulk
+    /// (1.0 + 0.05·i: 1.55, 1.6, 2.55) before a heavy hitter (10.0); the dead (3, 4) last.
+    #[test]
+    fn stand_ins_are_the_smallest_mean_contribution_first_and_the_dead_last() {
+        let l = skewed_layer();
+        assert_eq!(stand_in_order(&l, &[0, 3, 4, 6, 7, 11, 12, 31]), vec![6, 7, 11, 12, 31, 0, 3, 4]);
     }
 
     fn params(prior: Prior) -> Params {
