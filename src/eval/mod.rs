@@ -332,7 +332,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         if let Some(j) = &args.json {
             // the path only when it outlives the run (--base-logits)
             let base = json!({"path": args.base_logits, "reused": reused});
-            atomic::write_json(j, &report::to_json(&args.base, &outcomes, base, forward_passes), "eval results")?;
+            atomic::write_json(j, &report::to_json(&args.base, &outcomes, base, forward_passes, &prune_flags(args)), "eval results")?;
         }
     }
     println!();

@@ -73,11 +73,14 @@ fn model_json(o: &Outcome) -> Value {
 }
 
 /// `{"base": PATH, "models": […]}` plus the run's bookkeeping; models in the order given.
-pub fn to_json(base: &Path, outcomes: &[Outcome], base_logits: Value, forward_passes: usize) -> Value {
+/// `prune_flags`: what `--keep-map`'s prune ran with (`--drop-nextn`, `--hash-remap`), which
+/// shape the pruned models as much as the maps do.
+pub fn to_json(base: &Path, outcomes: &[Outcome], base_logits: Value, forward_passes: usize, prune_flags: &[&str]) -> Value {
     json!({
         "base": base,
         "base_logits": base_logits,
         "forward_passes": forward_passes,
+        "prune_flags": prune_flags,
         "models": outcomes.iter().map(model_json).collect::<Vec<_>>(),
     })
 }

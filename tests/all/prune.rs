@@ -1481,10 +1481,11 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_to_stand_
                 .arg(json),
         );
         let v: Value = serde_json::from_slice(&read(json)).unwrap();
-        v["models"][0]["kld_mean"].as_f64().unwrap()
+        (v["models"][0]["kld_mean"].as_f64().unwrap(), v["prune_flags"].clone())
     };
-    let via_map = eval(&["--keep-map".as_ref(), map.as_os_str(), "--hash-remap".as_ref()], &d.join("e1.json"));
-    let via_file = eval(&["-m".as_ref(), d.join("p.gguf").as_os_str()], &d.join("e2.json"));
+    let (via_map, flags) = eval(&["--keep-map".as_ref(), map.as_os_str(), "--hash-remap".as_ref()], &d.join("e1.json"));
+    assert_eq!(flags, json!(["--hash-remap"]));
+    let (via_map, via_file) = (via_map, eval(&["-m".as_ref(), d.join("p.gguf").as_os_str()], &d.join("e2.json")).0);
     assert_eq!(via_map, via_file);
     assert!(via_map > 0.0);
 
