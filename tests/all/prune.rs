@@ -1385,13 +1385,16 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_to_stand_
         stand_ins.push(si);
     }
     assert_eq!(keep[0].len(), K);
-    // a model without hash routing gets maps without stand_in
+    // a model without hash routing gets maps without stand_in, and --hash-remap says it does
+    // nothing there
     let q = d.join("qwen3moe");
     std::fs::create_dir_all(&q).unwrap();
     calibrate(&q, &fixture("qwen3moe"));
     run_ok(Command::new(ours()).current_dir(&q).args(["select", "--reap", "imatrix.reap.json", "--method", "reap_l2_sum", "--k", "12", "--out-dir", "."]));
     let qm: Value = serde_json::from_slice(&read(&q.join("keep_reap_l2_sum_k12.json"))).unwrap();
     assert!(qm["layers"].as_array().unwrap().iter().all(|l| l.get("stand_in").is_none() && l.get("keep").is_some()), "{qm}");
+    let o = prune_ok(&fixture("qwen3moe"), &q.join("keep_reap_l2_sum_k12.json"), &q.join("p.gguf"), &["--hash-remap", "--dry-run"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap: ") && String::from_utf8_lossy(&o.stderr).contains("has no hash-routed block"), "{}", String::from_utf8_lossy(&o.stderr));
 
     // the source table names more than K experts: refused without the flag
     let src = read(&model);

@@ -114,6 +114,8 @@ pub struct PruneReport {
     /// hash-routed blocks whose table named dropped experts, sent elsewhere (`--hash-remap`):
     /// (block, entries, tokens)
     pub hash_remapped: Vec<(u32, usize, usize)>,
+    /// hash-routed blocks (tables of expert ids) in the file
+    pub hash_blocks: Vec<u32>,
     /// the shards written (or, with `dry_run`, to be written) in place of `out`; empty without
     /// a split rule
     pub shards: Vec<PathBuf>,
@@ -143,6 +145,9 @@ pub fn run(args: &PruneArgs) -> Result<i32> {
     };
     let t0 = std::time::Instant::now();
     let r = prune_model(&opts)?;
+    if args.hash_remap && r.hash_blocks.is_empty() {
+        eprintln!("prune: note: --hash-remap: {} has no hash-routed block (no blk.N.ffn_gate_tid2eid); the flag changes nothing", args.model.display());
+    }
     let mut shape = format!("{} MoE layers, {} → {} experts", r.moe_layers.len(), r.n_expert, r.k);
     if !r.nextn_dropped.is_empty() {
         shape += &format!("; nextn block {:?} left out ({} tensors)", r.nextn_dropped, r.tensors_dropped);
@@ -541,9 +546,10 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
     let tensors_dropped = steps.len();
     steps.retain(|s| kept_tensor(&s.src.name));
     let tensors_dropped = tensors_dropped - steps.len();
-    let mut hash_remapped = Vec::new();
+    let (mut hash_remapped, mut hash_blocks) = (Vec::new(), Vec::new());
     for step in steps.iter_mut() {
         let Some(block) = plan::expert_id_table(&step.src.name) else { continue };
+        hash_blocks.push(block);
         let bytes = if step.shard == 0 { &src.map } else { &shards.as_ref().unwrap().more[step.shard - 1].1.map };
         let at = step.src_start as usize;
         let data = bytes.get(at..at + step.src.nbytes() as usize).ok_or_else(|| usage(format!("-m {model_arg}: tensor {}: its data runs past the end of the file", step.src.name)))?;
@@ -636,6 +642,7 @@ pub fn prune_model(opts: &PruneOptions) -> Result<PruneReport> {
         other_file_blocks: foreign.clone(),
         mtp_file: mtp_only,
         hash_remapped: hash_remapped.clone(),
+        hash_blocks: hash_blocks.clone(),
         shards: split_plan.as_ref().map_or_else(Vec::new, |(_, paths)| paths.clone()),
     };
     if opts.dry_run {

@@ -406,6 +406,9 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
         }
         _ => None,
     };
+    if args.hash_remap && hash.is_none() {
+        eprintln!("note: --hash-remap: the model has no hash-routed block (no blk.N.ffn_gate_tid2eid); the flag changes nothing");
+    }
     // --hash-remap: each hash-routed layer's stand-in order
     let remap: Option<Vec<Vec<u16>>> = match (&hash, &km) {
         (Some(hash), Some((p, m))) if args.hash_remap => Some(
