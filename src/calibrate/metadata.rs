@@ -28,6 +28,9 @@ pub fn model_block(model: &Model, path: &Path, size: u64, sha256: Option<&str>, 
         // routing within groups (DeepSeek-V3): select keeps the same number in every group
         "expert_group_count": key("expert_group_count"),
         "expert_group_used_count": key("expert_group_used_count"),
+        // DeepSeek-V4: its first blocks route by token id (`ffn_gate_tid2eid`); select and
+        // replay read which from here
+        "hash_layer_count": key("hash_layer_count"),
     });
     if !shards.is_empty() {
         v["shards"] = shards.iter().map(|(p, size, sha)| json!({"path": p.to_string_lossy(), "size": size, "sha256": sha})).collect();

@@ -1369,8 +1369,17 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_to_stand_
     let sal = Saliency::read(&d.join("imatrix.reap.json")).unwrap();
     let mut keep: Vec<Vec<u16>> = Vec::new();
     let mut stand_ins: Vec<Vec<u16>> = Vec::new();
+    // the map says which blocks route by token id (the fixture's first), and only they get a
+    // stand-in order
+    assert_eq!(mj["model"]["hash_layer_count"], json!(1), "{}", mj["model"]);
     for (l, s) in mj["layers"].as_array().unwrap().iter().zip(&sal.layers) {
         let ids = |k: &str| -> Vec<u16> { l[k].as_array().unwrap_or_else(|| panic!("no {k} in {l}")).iter().map(|x| x.as_u64().unwrap() as u16).collect() };
+        if s.layer != 0 {
+            assert!(l.get("stand_in").is_none(), "block {}: not hash-routed, yet {l}", s.layer);
+            keep.push(ids("keep"));
+            stand_ins.push(Vec::new());
+            continue;
+        }
         let (kp, si) = (ids("keep"), ids("stand_in"));
         let mut sorted = si.clone();
         sorted.sort_unstable();
@@ -1462,11 +1471,36 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_to_stand_
     let replay = |m: &Path, extra: &[&str]| {
         run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(d.join("t.bin")).arg("--keep-map").arg(m).arg("--model").arg(&model).args(extra))
     };
-    let o = replay(&map, &["--hash-remap"]);
+    let o = replay(&map, &["--hash-remap", "--json", d.join("r-model.json").to_str().unwrap()]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && err.contains("block 0 routes by token id (ffn_gate_tid2eid): its picks are the trace's, a dropped one sent"), "{err}");
     let o = replay(&map, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+    // without --model the map's hash_layer_count tells the block: block 0 replays the same (the
+    // other blocks lack the model's selection bias, so they may not); a map without it routes
+    // block 0 by scores (the control: another outcome)
+    let no_model = |m: &Path, extra: &[&str]| {
+        run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--trace"]).arg(d.join("t.bin")).arg("--keep-map").arg(m).args(extra))
+    };
+    let block0 = |json: &str| -> Value {
+        let v: Value = serde_json::from_slice(&read(&d.join(json))).unwrap();
+        v["results"][0]["layers"][0].clone()
+    };
+    let o = no_model(&map, &["--hash-remap", "--json", d.join("r-map.json").to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("block 0 routes by token id (ffn_gate_tid2eid): its picks are the trace's, a dropped one sent"), "{err}");
+    assert_eq!(block0("r-map.json"), block0("r-model.json"));
+    assert!(block0("r-map.json")["accesses"].as_u64().unwrap() > 0);
+    let o = no_model(&map, &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("block 0 routes by token id (DeepSeek-V4's hash routing: ffn_gate_tid2eid), and the map drops expert"), "{err}");
+    let mut unstated = mj.clone();
+    unstated["model"].as_object_mut().unwrap().remove("hash_layer_count");
+    let unstated = write_map(&d.join("unstated.json"), unstated);
+    let o = no_model(&unstated, &["--json", d.join("r-scored.json").to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_ne!(block0("r-scored.json"), block0("r-map.json"));
 
     // eval --keep-map --hash-remap prunes the same file (the same figures as eval of p.gguf)
     let eval = |extra: &[&std::ffi::OsStr], json: &Path| {
@@ -1509,11 +1543,12 @@ fn a_deepseek4_hash_block_pruned_below_its_table_sends_dropped_entries_to_stand_
     edited["layers"][0]["keep"] = json!(k0);
     let edited = write_map(&d.join("edited.json"), edited);
     r.expect_on(&model, &edited, &["--hash-remap"], "its \"stand_in\" does not list the kept experts, each once");
-    // and replay: without a stand-in order, and without --model (which says where the tables are)
+    // and replay: without a stand-in order, and without --model or the map's hash_layer_count
+    // (which say where the tables are)
     let o = replay(&bare, &["--hash-remap"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap: block 0 routes by token id, and the map has no \"stand_in\""), "{}", String::from_utf8_lossy(&o.stderr));
-    let o = run(Command::new(ours()).args(["replay", "--policy", "lru", "--capacity", "8", "--hash-remap", "--trace"]).arg(d.join("t.bin")).arg("--keep-map").arg(&map));
+    let o = no_model(&unstated, &["--hash-remap"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap needs --model"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--hash-remap needs --model, or a keep map that states the model's hash_layer_count"), "{}", String::from_utf8_lossy(&o.stderr));
 }

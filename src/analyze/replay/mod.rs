@@ -110,9 +110,10 @@ pub struct ReplayArgs {
     /// every expert), the other slots forced misses (docs/replay.md)
     #[arg(long = "keep-map", value_name = "FILE")]
     pub keep_map: Option<PathBuf>,
-    /// With --keep-map and --model: in a hash-routed block (DeepSeek-V4's `ffn_gate_tid2eid`),
-    /// send a pick the map drops where `prune --hash-remap` sends it (the first kept expert of
-    /// the map's `stand_in` list the token's row lacks), instead of refusing the map
+    /// With --keep-map: in a hash-routed block (DeepSeek-V4's `ffn_gate_tid2eid`; told by
+    /// --model, else by the map's hash_layer_count), send a pick the map drops where `prune
+    /// --hash-remap` sends it (the first kept expert of the map's `stand_in` list the token's
+    /// row lacks), instead of refusing the map
     #[arg(long = "hash-remap", requires = "keep_map")]
     pub hash_remap: bool,
     /// The saliency JSON of the trace's run: confirms whether the keep map was fitted on it
@@ -387,12 +388,25 @@ pub fn run(args: &ReplayArgs) -> Result<i32> {
     // DeepSeek-V4's hash-routed blocks: not re-routed (the pruned model's table keeps each
     // token's experts), and refused where the map drops one of the trace's picks there, as
     // prune refuses it
-    if args.hash_remap && args.model.is_none() {
-        return Err(usage("--hash-remap needs --model: the model's tables say which blocks route by token id".into()));
+    // which blocks: the model's tables, else the map's hash_layer_count (select copies it from
+    // the calibration's JSON)
+    let map_hash = km.as_ref().and_then(|(_, m)| {
+        let r = m.model.as_ref().filter(|r| r.hash_layer_count.is_some())?;
+        Some(h.layers.iter().map(|&b| r.hash_routed(b) == Some(true)).collect::<Vec<bool>>())
+    });
+    if args.hash_remap && args.model.is_none() && map_hash.is_none() {
+        return Err(usage(
+            "--hash-remap needs --model, or a keep map that states the model's hash_layer_count (select writes it from a calibration \
+             of this version): the model's tables say which blocks route by token id"
+                .into(),
+        ));
     }
     let hash = match (&km, &args.model, &keep_flags) {
-        (Some((p, _)), Some(model), Some(flags)) => {
-            let hash = gguf::hash_blocks(model, &h.layers).map_err(|e| usage(format!("--model: {e:#}")))?;
+        (Some((p, _)), model, Some(flags)) if model.is_some() || map_hash.is_some() => {
+            let hash = match model {
+                Some(model) => gguf::hash_blocks(model, &h.layers).map_err(|e| usage(format!("--model: {e:#}")))?,
+                None => map_hash.clone().unwrap_or_default(),
+            };
             if let Some(li) = hash.iter().position(|&x| x) {
                 let how = if args.hash_remap {
                     "the trace's, a dropped one sent to the first kept expert of the map's stand_in the row lacks (--hash-remap)"

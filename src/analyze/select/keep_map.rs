@@ -34,6 +34,9 @@ pub struct ModelRef {
     /// the nextn/MTP block's own file, where the run read it from one (`--nextn-model`,
     /// DeepSeek-V4's): (path as recorded, sha256)
     pub nextn_model: Option<(String, Option<String>)>,
+    /// `<arch>.hash_layer_count` (DeepSeek-V4): blocks below it route by token id
+    /// (`ffn_gate_tid2eid`), so replay can tell them without the model; None when not stated
+    pub hash_layer_count: Option<u32>,
 }
 
 impl ModelRef {
@@ -50,7 +53,14 @@ impl ModelRef {
             expert_count: m.get("expert_count").and_then(Value::as_u64),
             shards,
             nextn_model: m.get("nextn_model").and_then(|n| Some((n.get("path")?.as_str()?.to_string(), n.get("sha256").and_then(Value::as_str).map(str::to_string)))),
+            // the saliency JSON states it as the GGUF's value printed (a string), a keep map as a number
+            hash_layer_count: m.get("hash_layer_count").and_then(|v| v.as_u64().or_else(|| v.as_str()?.parse().ok())).and_then(|n| u32::try_from(n).ok()),
         }
+    }
+
+    /// Whether `block` routes by token id, where the map says (`hash_layer_count`).
+    pub fn hash_routed(&self, block: u32) -> Option<bool> {
+        self.hash_layer_count.map(|n| block < n)
     }
 }
 
@@ -126,6 +136,9 @@ impl KeepMap {
             }
             if let Some((p, s)) = &m.nextn_model {
                 v["model"]["nextn_model"] = json!({"path": p, "sha256": s});
+            }
+            if let Some(n) = m.hash_layer_count {
+                v["model"]["hash_layer_count"] = json!(n);
             }
         }
         v
@@ -244,7 +257,7 @@ mod tests {
             k: 2,
             parameters: json!({"min_count": 0}),
             source: Some(Source { path: "a.json".into(), sha256: sha256_hex(b"abc"), tokens: 10, trace_tokens_written: 4 }),
-            model: Some(ModelRef { path: "m.gguf".into(), sha256: Some(sha256_hex(b"m")), expert_count: Some(8), shards: vec![("m-00002-of-00002.gguf".into(), sha256_hex(b"2"))], nextn_model: Some(("mtp-m.gguf".into(), Some(sha256_hex(b"mtp")))) }),
+            model: Some(ModelRef { path: "m.gguf".into(), sha256: Some(sha256_hex(b"m")), expert_count: Some(8), shards: vec![("m-00002-of-00002.gguf".into(), sha256_hex(b"2"))], nextn_model: Some(("mtp-m.gguf".into(), Some(sha256_hex(b"mtp")))), hash_layer_count: Some(4) }),
             layers: vec![KeepLayer { layer: Some(3), keep: vec![1, 5], stand_in: Some(vec![5, 1]) }, KeepLayer { layer: Some(4), keep: vec![0, 2], stand_in: None }],
         };
         assert_eq!(KeepMap::from_json(&m.to_json()).unwrap(), m);
@@ -266,5 +279,14 @@ mod tests {
         }
         assert_eq!(m.layers[0].stand_ins(), Ok(&[5u16, 1][..]));
         assert!(m.layers[1].stand_ins().unwrap_err().contains("no \"stand_in\""));
+        // hash_layer_count: the saliency JSON's string (the GGUF's value printed) or a map's number
+        for v in [json!("3"), json!(3)] {
+            let r = ModelRef::from_json(&json!({"path": "m.gguf", "hash_layer_count": v}));
+            assert_eq!((r.hash_routed(0), r.hash_routed(2), r.hash_routed(3)), (Some(true), Some(true), Some(false)), "{v}");
+        }
+        for v in [json!(null), json!("x"), json!(-1), json!(5_000_000_000u64)] {
+            assert_eq!(ModelRef::from_json(&json!({"path": "m.gguf", "hash_layer_count": v})).hash_routed(0), None, "{v}");
+        }
+        assert_eq!(ModelRef::from_json(&json!({"path": "m.gguf"})).hash_routed(0), None);
     }
 }

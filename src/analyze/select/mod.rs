@@ -270,9 +270,11 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
             _ => select_method(&sal, m, &ks, &params),
         })
         .collect();
-    // a model with hash-routed blocks: each layer's stand-in order for `prune --hash-remap`
+    // a model with hash-routed blocks: their stand-in order for `prune --hash-remap`; every
+    // layer's where the JSON does not say which blocks (written before hash_layer_count was)
     let arch = sal.metadata.get("model").and_then(|m| m.get("architecture")).and_then(Value::as_str);
-    let hash_routed = arch.is_some_and(|a| crate::analyze::prune::plan::HASH_ROUTED_ARCHS.contains(&a));
+    let hash_arch = arch.is_some_and(|a| crate::analyze::prune::plan::HASH_ROUTED_ARCHS.contains(&a));
+    let hash_routed = |block: u32| hash_arch && model.as_ref().and_then(|m| m.hash_routed(block)).unwrap_or(true);
 
     // ---- screen (one pass for all maps), before any file: a damaged trace is refused
     let screened = match (&trace, &args.trace) {
@@ -320,7 +322,7 @@ pub fn run(args: &SelectArgs) -> Result<i32> {
                     .map(|(l, keep)| KeepLayer {
                         layer: Some(l.layer),
                         keep: keep.clone(),
-                        stand_in: hash_routed.then(|| score::stand_in_order(l, keep)),
+                        stand_in: hash_routed(l.layer).then(|| score::stand_in_order(l, keep)),
                     })
                     .collect(),
             };
