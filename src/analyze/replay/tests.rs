@@ -4,6 +4,7 @@
 
 use super::engine::NONE;
 use super::*;
+use super::keep::picks_off_candidates;
 use crate::formats::trace::{RowData, TraceFile, TraceHeader, FLAG_NORMALISED};
 
 /// One token: per layer the picks and the candidates (ids, probs), best first.
