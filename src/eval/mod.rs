@@ -7,6 +7,7 @@
 
 pub mod cache;
 pub mod forward;
+pub mod in_sample;
 pub mod prune;
 pub mod report;
 pub mod stats;
@@ -45,6 +46,10 @@ pub struct EvalArgs {
     /// The evaluation text (as llama-perplexity -f reads it)
     #[arg(short = 'f', long = "file", value_name = "TEXT")]
     pub file: PathBuf,
+    /// The text the models were calibrated on: eval counts the scored tokens it holds
+    /// (in-sample). Keep maps name theirs through their saliency JSON; this overrides it
+    #[arg(long = "calibration-text", value_name = "TEXT")]
+    pub calibration_text: Option<PathBuf>,
     /// Tokens per chunk; the second half of each chunk is scored
     #[arg(short = 'c', long = "ctx-size", value_name = "N", default_value_t = 512)]
     pub ctx_size: i32,
@@ -101,6 +106,8 @@ pub struct Outcome {
     pub candidate: Candidate,
     pub summary: stats::Summary,
     pub seconds: f64,
+    /// how many scored tokens the calibration saw (`in_sample::to_json`), or why that is not known
+    pub in_sample: Option<serde_json::Value>,
 }
 
 /// The folder for this run's temporary files, removed when the run ends (also on error, and
@@ -218,8 +225,8 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
     // the tokens, by the base's vocabulary (loaded without its weights)
     let n_ctx = args.ctx_size as usize;
     let text = crate::calibrate::validate::corpus("-f", &args.file, n_ctx, 0)?;
+    let vocab_model = Model::load_vocab(&args.base)?;
     let (tokens, n_vocab) = {
-        let vocab_model = Model::load_vocab(&args.base)?;
         let v = vocab_model.vocab();
         if v.add_eos() {
             bail!(usage(format!("--base {}: its vocab adds EOS to every text; llama-perplexity refuses such models too", args.base.display())));
@@ -250,6 +257,8 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
             "{n_chunk} chunks of {n_ctx} score only {scored} tokens; llama-perplexity's statistics need at least 100 (more text, --chunks or -c)"
         )));
     }
+    let in_sample = in_sample_checks(args, &candidates, &vocab_model, &tokens, n_ctx, n_chunk)?;
+    drop(vocab_model);
     let layout = Layout::new(n_ctx, args.batch_size as usize, n_chunk);
     let setup = Setup {
         layout,
@@ -328,7 +337,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
         }
         println!("\n### {} ({})", c.label(), c.path().display());
         print!("{}", summary.upstream_text());
-        outcomes.push(Outcome { candidate: c.clone(), summary, seconds: t.elapsed().as_secs_f64() });
+        outcomes.push(Outcome { candidate: c.clone(), summary, seconds: t.elapsed().as_secs_f64(), in_sample: in_sample[i].clone() });
         if let Some(j) = &args.json {
             // the path only when it outlives the run (--base-logits)
             let base = json!({"path": args.base_logits, "reused": reused});
@@ -345,6 +354,69 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
 }
 
 /// The base pass: writes `file` (atomically) and returns its sha256 and the unquantized PPL.
+/// Per candidate: how many of the scored tokens its calibration saw (see `in_sample`), said
+/// on stderr once per calibration text; None for a model file without `--calibration-text`.
+fn in_sample_checks(args: &EvalArgs, candidates: &[Candidate], vocab_model: &Model, tokens: &[i32], n_ctx: usize, n_chunk: usize) -> Result<Vec<Option<serde_json::Value>>> {
+    use in_sample::Calibration;
+    let given = match &args.calibration_text {
+        Some(p) => Some(Calibration {
+            text: p.clone(),
+            sha256: crate::formats::sha256::sha256_file(p).map_err(|e| usage(format!("--calibration-text {}: {e}", p.display())))?,
+            parse_special: false,
+            chunks: None,
+            via: "--calibration-text".into(),
+        }),
+        None => None,
+    };
+    let cals: Vec<Option<std::result::Result<Calibration, String>>> = candidates
+        .iter()
+        .map(|c| match (&given, c) {
+            (Some(g), _) => Some(Ok(g.clone())),
+            (None, Candidate::KeepMap(p)) => Some(in_sample::of_keep_map(p)),
+            (None, Candidate::Model(_)) => None,
+        })
+        .collect();
+    let mut out = vec![None; candidates.len()];
+    let mut done: Vec<Calibration> = Vec::new();
+    for (i, cal) in cals.iter().enumerate() {
+        match cal {
+            None => {}
+            Some(Err(why)) => {
+                eprintln!("eval: cannot tell whether {}'s calibration saw this text: {why} (--calibration-text names it)", candidates[i].label());
+                out[i] = Some(json!({"unknown": why}));
+            }
+            Some(Ok(cal)) if !done.contains(cal) => {
+                let (seen, note) = in_sample::seen(&vocab_model.vocab(), cal).map_err(|e| usage(format!("{e:#}")))?;
+                if let Some(n) = note {
+                    eprintln!("eval: note: {n}");
+                }
+                let (scored, hit) = in_sample::count(tokens, n_ctx, n_chunk, &seen);
+                let same: Vec<usize> = (0..candidates.len()).filter(|&j| matches!(&cals[j], Some(Ok(c)) if c == cal)).collect();
+                let who = if same.len() == candidates.len() { "the models were".to_string() } else { format!("{} was", same.iter().map(|&j| candidates[j].label()).collect::<Vec<_>>().join(", ")) };
+                let whence = match cal.chunks {
+                    Some(_) => format!("the chunks of {} the run evaluated, per {}", cal.text.display(), cal.via),
+                    None => format!("{}, {}", cal.text.display(), cal.via),
+                };
+                if hit > 0 {
+                    eprintln!(
+                        "eval: {hit} of {scored} scored tokens ({:.1}%) are text {who} calibrated on ({whence}): there the KL divergence understates what \
+                         pruning costs on unseen text; evaluate on text the calibration did not see (corpus --eval keeps one apart)",
+                        100.0 * hit as f64 / scored as f64
+                    );
+                } else {
+                    eprintln!("eval: none of the {scored} scored tokens is text {who} calibrated on ({whence})");
+                }
+                for j in same {
+                    out[j] = Some(in_sample::to_json(cal, scored, hit));
+                }
+                done.push(cal.clone());
+            }
+            Some(Ok(_)) => {}
+        }
+    }
+    Ok(out)
+}
+
 fn compute_base(base: &Path, setup: &Setup, header: &Header, file: &Path) -> Result<(String, crate::calibrate::perplexity::Accumulator)> {
     let model = Model::load(base, &setup.model_params)?;
     let n_vocab = header.n_vocab as usize;

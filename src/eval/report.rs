@@ -69,6 +69,9 @@ fn model_json(o: &Outcome) -> Value {
     if let Candidate::KeepMap(p) = &o.candidate {
         v["keep_map"] = json!(p);
     }
+    if let Some(x) = &o.in_sample {
+        v["in_sample"] = x.clone();
+    }
     v
 }
 

@@ -352,6 +352,46 @@ fn eval_keep_map_equals_eval_of_the_pruned_file() {
         // pruning half the experts changes the model
         assert!(a["kld_mean"].as_f64().unwrap() > 0.0);
     }
+    // in-sample: the calibration evaluated the text's first 8 chunks of 128 tokens (tokenized
+    // as eval does: no --parse-special); eval's first 4 are those, so every scored token
+    // (4 × 63) is text the maps were fitted on; over 12 chunks the last 4 are not (8 × 63 of 12 × 63)
+    for m in via_maps["models"].as_array().unwrap() {
+        let s = &m["in_sample"];
+        assert_eq!((s["scored_tokens"].as_u64(), s["in_sample_tokens"].as_u64(), s["chunks"].as_str()), (Some(252), Some(252), Some("the run's")), "{s}");
+        assert_eq!(s["calibration_text"].as_str(), Some(corpus().to_str().unwrap()));
+    }
+    let out = run_ok(&mut eval_cmd(&d, &base, &["--chunks", "12", "--keep-map", maps[0].to_str().unwrap(), "--json", json.to_str().unwrap()]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("eval: 504 of 756 scored tokens (66.7%) are text the models were calibrated on (the chunks of "), "{err}");
+    let v: Value = serde_json::from_slice(&read(&json)).unwrap();
+    assert_eq!((v["models"][0]["in_sample"]["in_sample_tokens"].as_u64(), v["models"][0]["in_sample"]["fraction"].as_f64()), (Some(504), Some(504.0 / 756.0)));
+    // a text the calibration did not see, named by --calibration-text: none
+    let (out, v) = eval(&d, &base, &[&d.join("pruned0.gguf")], &["--base-logits", cache.to_str().unwrap(), "--calibration-text", repo().join("corpus/prompts.txt").to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("eval: none of the 252 scored tokens is text the models were calibrated on"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(v["models"][0]["in_sample"]["in_sample_tokens"].as_u64(), Some(0));
+    assert!(v["models"][0]["in_sample"]["chunks"] == "all");
+    // a map whose saliency JSON is gone: not known, and said so
+    let moved = d.join("moved.json");
+    let mut mj: Value = serde_json::from_slice(&read(&maps[0])).unwrap();
+    mj["source"]["path"] = Value::from(d.join("gone.reap.json").to_str().unwrap());
+    std::fs::write(&moved, serde_json::to_vec(&mj).unwrap()).unwrap();
+    let out = run_ok(&mut eval_cmd(&d, &base, &["--base-logits", cache.to_str().unwrap(), "--keep-map", moved.to_str().unwrap(), "--json", json.to_str().unwrap()]));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("eval: cannot tell whether moved's calibration saw this text: its saliency JSON"), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&read(&json)).unwrap();
+    assert!(v["models"][0]["in_sample"]["unknown"].as_str().unwrap().contains("gone.reap.json cannot be read"), "{}", v["models"][0]);
+
+    // a calibration that parsed special tokens (the chat sections' markup) in one chunk of 2048:
+    // eval's 8 chunks of 128 (its tokens, markup not parsed) lie inside that chunk's text, so all
+    // 8 × 63 scored tokens are in-sample, markup windows included
+    let sp = d.join("special");
+    std::fs::create_dir_all(&sp).unwrap();
+    run_ok(Command::new(ours()).arg("-m").arg(&base).arg("-f").arg(corpus()).args(["--parse-special", "-c", "2048", "--chunks", "1", "-t", "2", "--no-ppl", "-o"]).arg(sp.join("imatrix.gguf")));
+    run_ok(Command::new(ours()).args(["select", "--reap"]).arg(sp.join("imatrix.reap.json")).args(["--method", "reap_l2_sum", "--k", "16", "--out-dir"]).arg(&sp));
+    let spmap = sp.join("keep_reap_l2_sum_k16.json");
+    let out = run_ok(&mut eval_cmd(&d, &base, &["--base-logits", d.join("base8.kld").to_str().unwrap(), "--chunks", "8", "--keep-map", spmap.to_str().unwrap(), "--json", json.to_str().unwrap()]));
+    let v: Value = serde_json::from_slice(&read(&json)).unwrap();
+    assert_eq!((v["models"][0]["in_sample"]["scored_tokens"].as_u64(), v["models"][0]["in_sample"]["in_sample_tokens"].as_u64()), (Some(504), Some(504)), "{}", String::from_utf8_lossy(&out.stderr));
+
     // a map prune refuses (K below the 4 experts used per token): exit 2 before any pass
     let bad = d.join("k2.json");
     std::fs::write(&bad, r#"{"method":"x","k":2,"layers":[[0,1],[0,1],[0,1],[0,1]]}"#).unwrap();
