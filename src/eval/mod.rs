@@ -168,6 +168,9 @@ fn check_files(args: &EvalArgs, candidates: &[Candidate]) -> Result<()> {
     };
     must_exist("--base", &args.base)?;
     must_exist("-f", &args.file)?;
+    if let Some(p) = &args.calibration_text {
+        must_exist("--calibration-text", p)?;
+    }
     for c in candidates {
         match c {
             Candidate::Model(p) => must_exist("--model", p)?,

@@ -274,6 +274,9 @@ fn eval_refuses_bad_input_before_running() {
     let out = run(&mut eval_cmd(&d, &s1, &[]).arg("--model").arg(&missing));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("missing.gguf: no such file"));
+    let out = run(&mut eval_cmd(&d, &s1, &["--calibration-text", d.join("nothere.txt").to_str().unwrap()]).arg("--model").arg(&s1));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--calibration-text") && String::from_utf8_lossy(&out.stderr).contains("nothere.txt: no such file"));
     // too few scored tokens for the statistics
     let out = run(&mut eval_cmd(&d, &s1, &["--chunks", "1"]).arg("--model").arg(&s1));
     assert_eq!(out.status.code(), Some(2));
