@@ -389,7 +389,9 @@ fn in_sample_checks(args: &EvalArgs, candidates: &[Candidate], vocab_model: &Mod
                 out[i] = Some(json!({"unknown": why}));
             }
             Some(Ok(cal)) if !done.contains(cal) => {
+                let t = Instant::now();
                 let (seen, note) = in_sample::seen(&vocab_model.vocab(), cal).map_err(|e| usage(format!("{e:#}")))?;
+                eprintln!("eval: {} read for the in-sample count: {} windows of {} tokens in {:.1} s", cal.text.display(), seen.len(), in_sample::WINDOW, t.elapsed().as_secs_f64());
                 if let Some(n) = note {
                     eprintln!("eval: note: {n}");
                 }
