@@ -35,28 +35,49 @@ pub struct Calibration {
     pub via: String,
 }
 
+/// A file recorded by a relative path from another folder: as recorded (from the current
+/// folder), else beside `near` or in its parent folder; the first that exists and has the
+/// recorded sha256. Err: why none, naming `what`.
+fn find(recorded: &str, sha256: &str, near: &Path, what: &str) -> std::result::Result<PathBuf, String> {
+    let p = PathBuf::from(recorded);
+    let mut tries = vec![p.clone()];
+    if p.is_relative() {
+        let dir = near.parent().unwrap_or(Path::new(""));
+        tries.push(dir.join(&p));
+        if let Some(up) = dir.parent() {
+            tries.push(up.join(&p));
+        }
+    }
+    tries.dedup();
+    let mut changed = None;
+    for t in &tries {
+        match crate::formats::sha256::sha256_file(t) {
+            Ok(s) if s == sha256 => return Ok(t.clone()),
+            Ok(_) => changed = changed.or(Some(t.clone())),
+            Err(_) => {}
+        }
+    }
+    Err(match changed {
+        Some(t) => format!("its {what} {} has changed since (sha256)", t.display()),
+        None => format!("its {what} {recorded} cannot be read (looked for {})", tries.iter().map(|t| t.display().to_string()).collect::<Vec<_>>().join(", ")),
+    })
+}
+
 /// The calibration behind a keep map: its `source` (the saliency JSON, checked by sha256), then
 /// that JSON's `metadata.corpus` (the text, checked by sha256) and `coverage`. Paths as
-/// recorded, from the current folder. Err: why it cannot be told, in words.
+/// recorded, from the current folder, else near the file that records them ([find]). Err: why
+/// it cannot be told, in words.
 pub fn of_keep_map(map: &Path) -> std::result::Result<Calibration, String> {
     let m = KeepMap::read(map).map_err(|e| format!("{e:#}"))?;
     let src = m.source.ok_or("the map names no saliency JSON (\"source\")")?;
-    let json = Path::new(&src.path);
-    let bytes = std::fs::read(json).map_err(|e| format!("its saliency JSON {} cannot be read: {e}", json.display()))?;
-    if crate::formats::sha256::sha256_hex(&bytes) != src.sha256 {
-        return Err(format!("its saliency JSON {} has changed since select read it (sha256)", json.display()));
-    }
+    let json = find(&src.path, &src.sha256, map, "saliency JSON")?;
+    let bytes = std::fs::read(&json).map_err(|e| format!("its saliency JSON {} cannot be read: {e}", json.display()))?;
     let v: Value = serde_json::from_slice(&bytes).map_err(|e| format!("{}: not JSON: {e}", json.display()))?;
     let corpus = &v["metadata"]["corpus"];
     let (Some(text), Some(sha)) = (corpus["path"].as_str(), corpus["sha256"].as_str()) else {
         return Err(format!("{} does not record its calibration text (metadata.corpus)", json.display()));
     };
-    let text = PathBuf::from(text);
-    match crate::formats::sha256::sha256_file(&text) {
-        Ok(s) if s == sha => {}
-        Ok(_) => return Err(format!("its calibration text {} has changed since the run (sha256)", text.display())),
-        Err(e) => return Err(format!("its calibration text {} cannot be read: {e:#}", text.display())),
-    }
+    let text = find(text, sha, &json, "calibration text")?;
     let cov = &v["coverage"];
     let chunks = match (cov["n_ctx"].as_u64(), cov["chunk_indices"].as_array(), cov["corpus_tokens"].as_u64()) {
         (Some(n), Some(ix), Some(total)) if n > 0 => Some((n as usize, ix.iter().filter_map(|i| i.as_u64().map(|i| i as usize)).collect(), total)),
@@ -202,6 +223,33 @@ mod tests {
         assert!(of_keep_map(&map).unwrap_err().contains("names no saliency JSON"));
         std::fs::write(&map, r#"{"method": "x", "k": 1, "layers": [[0]], "source": {"path": "/nonexistent/s.json", "sha256": "00", "tokens": 1}}"#).unwrap();
         assert!(of_keep_map(&map).unwrap_err().contains("/nonexistent/s.json cannot be read"));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn relative_paths_are_found_beside_the_file_that_records_them_and_checked() {
+        // run/imatrix.reap.json records text.txt; run/keep/m.json records imatrix.reap.json:
+        // both relative to run/, where select and calibration ran; eval runs elsewhere
+        let d = std::env::temp_dir().join(format!("reap-in-sample-find-{}", std::process::id()));
+        std::fs::create_dir_all(d.join("run/keep")).unwrap();
+        std::fs::write(d.join("run/text.txt"), "some calibration text").unwrap();
+        let sha = |p: &Path| crate::formats::sha256::sha256_file(p).unwrap();
+        let json = json!({"metadata": {"corpus": {"path": "text.txt", "sha256": sha(&d.join("run/text.txt")), "parse_special": true}},
+                          "coverage": {"n_ctx": 4, "chunk_indices": [1, 3], "corpus_tokens": 20}});
+        std::fs::write(d.join("run/imatrix.reap.json"), serde_json::to_vec(&json).unwrap()).unwrap();
+        let map = d.join("run/keep/m.json");
+        let write_map = |sha: &str| {
+            let m = json!({"method": "x", "k": 1, "layers": [[0]], "source": {"path": "imatrix.reap.json", "sha256": sha, "tokens": 1}});
+            std::fs::write(&map, serde_json::to_vec(&m).unwrap()).unwrap();
+        };
+        write_map(&sha(&d.join("run/imatrix.reap.json")));
+        let c = of_keep_map(&map).unwrap();
+        assert_eq!(c.text, d.join("run/text.txt"));
+        assert_eq!((c.parse_special, c.chunks), (true, Some((4, vec![1, 3], 20))));
+        assert_eq!(c.via, d.join("run/imatrix.reap.json").display().to_string());
+        // a JSON that is not the one select read: refused, named
+        write_map(&"0".repeat(64));
+        assert!(of_keep_map(&map).unwrap_err().contains("saliency JSON") && of_keep_map(&map).unwrap_err().contains("has changed since"));
         let _ = std::fs::remove_dir_all(&d);
     }
 }
