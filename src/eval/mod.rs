@@ -356,7 +356,6 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
     Ok(0)
 }
 
-/// The base pass: writes `file` (atomically) and returns its sha256 and the unquantized PPL.
 /// Per candidate: how many of the scored tokens its calibration saw (see `in_sample`), said
 /// on stderr once per calibration text; None for a model file without `--calibration-text`.
 fn in_sample_checks(args: &EvalArgs, candidates: &[Candidate], vocab_model: &Model, tokens: &[i32], n_ctx: usize, n_chunk: usize) -> Result<Vec<Option<serde_json::Value>>> {
@@ -422,6 +421,7 @@ fn in_sample_checks(args: &EvalArgs, candidates: &[Candidate], vocab_model: &Mod
     Ok(out)
 }
 
+/// The base pass: writes `file` (atomically) and returns its sha256 and the unquantized PPL.
 fn compute_base(base: &Path, setup: &Setup, header: &Header, file: &Path) -> Result<(String, crate::calibrate::perplexity::Accumulator)> {
     let model = Model::load(base, &setup.model_params)?;
     let n_vocab = header.n_vocab as usize;
