@@ -311,8 +311,11 @@ mod tests {
         let got = redirect_outputs(&["-m".into(), "m.gguf".into()], Path::new("/w"), cwd);
         assert_eq!(got, ["-m", "m.gguf", "-o", "/w/imatrix.gguf", "--manifest-out", "/w/reproduced.manifest.json"]);
         // the value attached to -o; -ofreq is another flag
-        let argv: Vec<String> = ["-oout/i.gguf", "-ofreq", "5", "-o=j.gguf"].iter().map(|s| s.to_string()).collect();
-        assert_eq!(redirect_outputs(&argv, Path::new("/w"), cwd), ["-o/w/out/i.gguf", "-ofreq", "5", "-o=/w/j.gguf", "--manifest-out", "/w/reproduced.manifest.json"]);
+        let argv: Vec<String> = ["-oout/i.gguf", "-ofreq", "5", "-o=j.gguf", "-ot", "exps=CPU", "-ot=attn=CPU"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(
+            redirect_outputs(&argv, Path::new("/w"), cwd),
+            ["-o/w/out/i.gguf", "-ofreq", "5", "-o=/w/j.gguf", "-ot", "exps=CPU", "-ot=attn=CPU", "--manifest-out", "/w/reproduced.manifest.json"]
+        );
         // two outputs of one name in two folders stay two files; a device is written in place
         let argv: Vec<String> = ["-o", "x/out", "--trace-out", "y/out", "--reap-out", "../r.json", "-o", "/dev/null"].iter().map(|s| s.to_string()).collect();
         assert_eq!(

@@ -92,6 +92,9 @@ pub struct ImatrixArgs {
     #[arg(long = "no-kv-offload", overrides_with = "kv_offload")]
     pub no_kv_offload: bool,
 
+    #[command(flatten)]
+    pub placement: crate::cli::placement::PlacementArgs,
+
     /// fit unset arguments to device memory: 'off' (what reap-imatrix does); 'on' is refused,
     /// set -ngl yourself [-fit]
     #[arg(long = "fit", value_name = "on|off")]

@@ -556,7 +556,7 @@ struct Outputs<'p> {
 impl Outputs<'_> {
     fn run_block(&self) -> Value {
         let a = &self.plan.args;
-        json!({
+        let mut run = json!({
             // effective sizes, as llama.cpp uses them (the ubatch never exceeds the batch)
             "ctx": self.plan.n_ctx, "batch": self.plan.n_batch, "ubatch": a.ubatch_size.min(self.plan.n_batch as _), "n_seq": self.plan.n_seq,
             "chunks": a.chunks, "chunks_done": self.chunks_done, "from_chunk": a.chunk,
@@ -564,7 +564,9 @@ impl Outputs<'_> {
             "trace_top_n": a.trace_top_n_or_default(), "trace_tokens": a.trace_tokens,
             "chunk_sampling": a.chunk_sampling.name(), "seed": a.seed,
             "domains": a.domains.as_ref().map(|p| p.to_string_lossy().into_owned()),
-        })
+        });
+        run.as_object_mut().expect("an object").extend(a.placement.settings());
+        run
     }
 
     fn with_metadata(&self, ctx: &Context<'_, CalibrationObserver>, mut s: crate::formats::saliency::Saliency) -> crate::formats::saliency::Saliency {
@@ -704,6 +706,7 @@ pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
     if args.no_repack {
         p.use_extra_bufts = false;
     }
+    p.tensor_overrides = args.placement.overrides.clone();
     match args.fit.as_deref() {
         None | Some("off" | "false" | "0" | "disabled") => {}
         Some("on" | "true" | "1" | "enabled") => bail!(UsageError(
@@ -783,6 +786,7 @@ fn context_params(plan: &Plan) -> Result<ContextParams> {
         type_k: kv_type("-ctk", &plan.args.cache_type_k)?,
         type_v: kv_type("-ctv", &plan.args.cache_type_v)?,
         offload_kqv: !plan.args.no_kv_offload,
+        op_offload: plan.args.placement.op_offload(),
         mtp: false,
     })
 }

@@ -23,7 +23,15 @@ pub const SINGLE_DASH_LONG: &[(&str, &str)] = &[
     ("-ctv", "--cache-type-v"),
     ("-kvo", "--kv-offload"),
     ("-nkvo", "--no-kv-offload"),
+    ("-ot", "--override-tensor"),
+    ("-cmoe", "--cpu-moe"),
+    ("-ncmoe", "--n-cpu-moe"),
+    ("-ncffn", "--n-cpu-ffn"),
 ];
+
+/// Flags whose every occurrence counts, as upstream's handlers append them: no "only the last
+/// value is used" warning for these.
+pub const CUMULATIVE: &[&str] = &["-ot", "--override-tensor", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-ncffn", "--n-cpu-ffn"];
 
 /// Every flag spelling of upstream's `llama-imatrix` at the pin. Those we do not parse are
 /// refused by name: clap's "unexpected argument" would be less clear, and clap would read a

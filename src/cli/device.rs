@@ -27,6 +27,8 @@ pub struct DeviceArgs {
     /// as llama.cpp's tools do with it; on a CPU with AMX some models need it [-nr]
     #[arg(long = "no-repack")]
     pub no_repack: bool,
+    #[command(flatten)]
+    pub placement: super::placement::PlacementArgs,
 }
 
 impl DeviceArgs {
@@ -38,6 +40,7 @@ impl DeviceArgs {
         crate::llama::rpc_watch::set_timeout(self.rpc_timeout);
         let mut p = model_params_of(&self.n_gpu_layers, &self.load_mode, self.rpc.clone())?;
         p.use_extra_bufts = !self.no_repack;
+        p.tensor_overrides = self.placement.overrides.clone();
         Ok((p, flash_attn_type(&self.flash_attn)?))
     }
 }

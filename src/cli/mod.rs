@@ -5,6 +5,7 @@
 
 pub mod argv;
 pub mod device;
+pub mod placement;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -50,7 +51,7 @@ fn drop_in_after_help() -> String {
     for (name, about) in &subs {
         s += &format!("  {name:<width$}  {about}\n");
     }
-    s += "\nllama.cpp's single-dash long flags (-ngl, -ub, -fa, -tb, -sm, -ts, -mg, -lm, -ofreq) are accepted.";
+    s += "\nllama.cpp's single-dash long flags (-ngl, -ub, -fa, -tb, -sm, -ts, -mg, -lm, -ofreq, -ot, -cmoe, -ncmoe, …) are accepted.";
     s
 }
 
@@ -89,7 +90,8 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
     }
     // trace-decode and eval take llama.cpp's single-dash long flags (-ngl, -ub, -fa, -lm, -nr) as the drop-in does
     let argv = if first == "trace-decode" || first == "eval" { argv::normalize(argv) } else { argv };
-    let cli = match Tools::try_parse_from(&argv) {
+    use clap::{CommandFactory, FromArgMatches};
+    let (mut cli, m) = match Tools::command().try_get_matches_from(&argv).and_then(|m| Ok((Tools::from_arg_matches(&m)?, m))) {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
@@ -98,6 +100,13 @@ pub fn main(argv: Vec<OsString>) -> Result<i32> {
         }
     };
     crate::progress::configure(cli.progress);
+    if let Some((_, sub)) = m.subcommand() {
+        match &mut cli.command {
+            Command::Eval(a) => a.device.placement.order(sub)?,
+            Command::TraceDecode(a) => a.device.placement.order(sub)?,
+            _ => {}
+        }
+    }
     match cli.command {
         Command::Fixture(args) => crate::fixture::run(&args).map(|()| 0),
         Command::Check(args) => crate::analyze::check::run(&args),
@@ -135,10 +144,16 @@ fn drop_in(argv: Vec<OsString>) -> Result<i32> {
     }
     // upstream keeps the last value of a repeated flag (and all files of a repeated --in-file)
     for flag in argv::repeated(&given) {
-        let what = if flag == "--in-file" { "its files are all merged" } else { "only the last value is used" };
+        let what = if flag == "--in-file" {
+            "its files are all merged"
+        } else if argv::CUMULATIVE.contains(&flag.as_str()) {
+            "every value is applied, the first matching pattern deciding"
+        } else {
+            "only the last value is used"
+        };
         eprintln!("warning: argument '{flag}' specified multiple times, use comma-separated values instead ({what})");
     }
-    let parsed = match command.args_override_self(true).after_help(drop_in_after_help()).try_get_matches_from(&argv).and_then(|m| DropIn::from_arg_matches(&m)) {
+    let (mut parsed, m) = match command.args_override_self(true).after_help(drop_in_after_help()).try_get_matches_from(&argv).and_then(|m| Ok((DropIn::from_arg_matches(&m)?, m))) {
         Ok(c) => c,
         Err(e) => {
             let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
@@ -146,6 +161,7 @@ fn drop_in(argv: Vec<OsString>) -> Result<i32> {
             return Ok(code);
         }
     };
+    parsed.args.placement.order(&m)?;
     crate::calibrate::run(parsed.args, &given)?;
     Ok(0)
 }

@@ -152,6 +152,7 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
         n_threads: threads,
         n_threads_batch: threads,
         flash_attn,
+        op_offload: args.device.placement.op_offload(),
         ..Default::default()
     };
     let reap = (!args.no_trace).then(|| ReapState::new(Some(TraceRows::new(args.trace_top_n, u64::MAX))));

@@ -133,10 +133,15 @@ pub fn decide(file: &Path, want: &Header, base_sha256: impl FnOnce() -> Result<S
         bail!(usage(format!("computed from another base model ({from}, sha256 {recorded}; --base has {sha})")));
     }
     notes.push("base model sha256 matches the sidecar".into());
-    for (k, now) in settings.as_object().into_iter().flatten() {
-        let then = v.pointer(&format!("/settings/{k}"));
-        if then != Some(now) {
-            notes.push(format!("note: computed with {k} = {}, this run has {now}: reused (it moves only the last bits)", then.cloned().unwrap_or(Value::Null)));
+    // both sides' keys: a setting left at its default is not written (tensor_overrides)
+    let then_settings = v.get("settings").and_then(Value::as_object);
+    let mut keys: Vec<&String> = settings.as_object().into_iter().flatten().map(|(k, _)| k).collect();
+    keys.extend(then_settings.into_iter().flatten().map(|(k, _)| k).filter(|k| settings.get(k.as_str()).is_none()));
+    for k in keys {
+        let (then, now) = (then_settings.and_then(|s| s.get(k)), settings.get(k));
+        if then != now {
+            let show = |x: Option<&Value>| x.cloned().unwrap_or(Value::Null);
+            notes.push(format!("note: computed with {k} = {}, this run has {}: reused (it moves only the last bits)", show(then), show(now)));
         }
     }
     Ok(Decision::Reuse(notes))

@@ -274,6 +274,7 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
             n_threads: threads,
             n_threads_batch: threads_batch,
             flash_attn,
+            op_offload: args.device.placement.op_offload(),
             ..Default::default()
         },
     };
@@ -291,9 +292,11 @@ pub fn run(args: &EvalArgs) -> Result<i32> {
     let base_file = args.base_logits.clone().unwrap_or_else(|| scratch.0.join("base.logits"));
     // in the scratch folder (no --base-logits) the base file goes with it, on a signal too
     let _base_on_signal = args.base_logits.is_none().then(|| crate::interrupt::remove_on_signal(&base_file));
-    let settings = json!({
+    let mut settings = json!({
         "batch": layout.n_batch, "ubatch": args.ubatch_size, "flash_attn": args.device.flash_attn, "n_gpu_layers": args.device.n_gpu_layers,
     });
+    // where the weights ran changes the logits' last bits too
+    settings.as_object_mut().expect("an object").extend(args.device.placement.settings());
     let base_sha = || crate::formats::sha256::cached_sha256_file(&args.base).with_context(|| format!("hashing {}", args.base.display()));
     let mut forward_passes = 0;
     let reused = match cache::decide(&base_file, &header, base_sha, &settings)? {

@@ -23,6 +23,9 @@ pub struct ContextParams {
     pub type_v: Option<sys::ggml_type>,
     /// offload the KQV ops and the KV cache to the GPU (-kvo / -nkvo; default on)
     pub offload_kqv: bool,
+    /// run a host-resident weight's op on the GPU when the batch is large enough, copying the
+    /// weight there (--op-offload / --no-op-offload; default on)
+    pub op_offload: bool,
     /// a context that runs the model's nextn/MTP block (`LLAMA_CONTEXT_TYPE_MTP`): each token
     /// comes with the trunk's hidden state, as llama.cpp's MTP drafting feeds it
     pub mtp: bool,
@@ -30,7 +33,7 @@ pub struct ContextParams {
 
 impl Default for ContextParams {
     fn default() -> Self {
-        ContextParams { n_ctx: 0, n_batch: 0, n_ubatch: 0, n_seq_max: 1, n_threads: 1, n_threads_batch: 1, flash_attn: -1, type_k: None, type_v: None, offload_kqv: true, mtp: false }
+        ContextParams { n_ctx: 0, n_batch: 0, n_ubatch: 0, n_seq_max: 1, n_threads: 1, n_threads_batch: 1, flash_attn: -1, type_k: None, type_v: None, offload_kqv: true, op_offload: true, mtp: false }
     }
 }
 
@@ -59,6 +62,7 @@ impl<'m, O: GraphObserver> Context<'m, O> {
             cp.type_v = t;
         }
         cp.offload_kqv = p.offload_kqv;
+        cp.op_offload = p.op_offload;
         if p.mtp {
             cp.ctx_type = sys::LLAMA_CONTEXT_TYPE_MTP;
         }

@@ -24,7 +24,7 @@ pub use batch::Batch;
 pub use context::{Context, ContextParams};
 pub use eval_callback::GraphObserver;
 pub use chat::Message as ChatMessage;
-pub use model::{Model, ModelParams, Vocab};
+pub use model::{Model, ModelParams, TensorOverride, Vocab};
 pub use sampler::{Sampler, Sampling};
 pub use tensor::{Node, TensorInfo};
 

@@ -26,6 +26,18 @@ pub struct ModelParams {
     pub use_extra_bufts: bool,
     /// load the nextn/MTP blocks' own tensors (`--nextn`; llama.cpp skips them by default)
     pub load_mtp: bool,
+    /// where tensors go by name (`-ot`, `--cpu-moe`, `--n-cpu-moe`), in command-line order:
+    /// llama.cpp takes the first pattern that matches
+    pub tensor_overrides: Vec<TensorOverride>,
+}
+
+/// One `-ot PATTERN=BUFFER_TYPE`: tensors whose names the (ECMAScript) regex finds a match in
+/// go to that buffer type, named as llama.cpp names a device's (`CPU`, `CUDA0`,
+/// `RPC0[host:port]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorOverride {
+    pub pattern: String,
+    pub buffer_type: String,
 }
 
 impl Default for ModelParams {
@@ -42,8 +54,46 @@ impl Default for ModelParams {
             tensor_split: Vec::new(),
             use_extra_bufts: d.use_extra_bufts,
             load_mtp: d.load_mtp,
+            tensor_overrides: Vec::new(),
         }
     }
+}
+
+/// Each override's pattern and buffer type, looked up by name among the devices' buffer types
+/// as upstream's `-ot` does (after `--rpc` has added its servers' devices). A name that is not
+/// one is refused with the list of those there are.
+fn buffer_overrides(list: &[TensorOverride]) -> Result<Vec<(CString, sys::ggml_backend_buffer_type_t)>> {
+    if list.is_empty() {
+        return Ok(Vec::new());
+    }
+    // SAFETY: a plain query.
+    let max = unsafe { sys::llama_max_tensor_buft_overrides() };
+    if list.len() >= max {
+        bail!("-ot: {} tensor overrides, llama.cpp takes at most {}", list.len(), max - 1);
+    }
+    let mut types: Vec<(String, sys::ggml_backend_buffer_type_t)> = Vec::new();
+    // SAFETY: registry queries; names are static C strings.
+    unsafe {
+        for i in 0..sys::ggml_backend_dev_count() {
+            let buft = sys::ggml_backend_dev_buffer_type(sys::ggml_backend_dev_get(i));
+            if !buft.is_null() {
+                let name = std::ffi::CStr::from_ptr(sys::ggml_backend_buft_name(buft)).to_string_lossy().into_owned();
+                if !types.iter().any(|(n, _)| *n == name) {
+                    types.push((name, buft));
+                }
+            }
+        }
+    }
+    list.iter()
+        .map(|o| {
+            let Some(&(_, buft)) = types.iter().find(|(n, _)| *n == o.buffer_type) else {
+                let names: Vec<&str> = types.iter().map(|(n, _)| n.as_str()).collect();
+                bail!(crate::error::UsageError(format!("-ot {}={}: unknown buffer type (available: {})", o.pattern, o.buffer_type, names.join(", "))));
+            };
+            let pattern = CString::new(o.pattern.as_str()).with_context(|| format!("-ot {}: the pattern contains a NUL byte", o.pattern))?;
+            Ok((pattern, buft))
+        })
+        .collect()
 }
 
 pub struct Model {
@@ -93,11 +143,25 @@ impl Model {
             split[..params.tensor_split.len()].copy_from_slice(&params.tensor_split);
             mp.tensor_split = split.as_ptr();
         }
+        // the patterns and the array live until the load returns; null-terminated
+        let overrides = buffer_overrides(&params.tensor_overrides)?;
+        let mut override_array: Vec<sys::llama_model_tensor_buft_override> =
+            overrides.iter().map(|(p, b)| sys::llama_model_tensor_buft_override { pattern: p.as_ptr(), buft: *b }).collect();
+        if !override_array.is_empty() && !params.vocab_only {
+            override_array.push(sys::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() });
+            mp.tensor_buft_overrides = override_array.as_ptr();
+        }
         log::take_recent_errors();
         // SAFETY: valid C string and params; null is checked.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), mp) };
         if raw.is_null() {
-            let why = log::take_recent_errors().join("\n  ");
+            let mut why = log::take_recent_errors().join("\n  ");
+            // the loader compiles each pattern with std::regex, whose error names none
+            if why.contains("regular expression") && !params.tensor_overrides.is_empty() {
+                let patterns: Vec<&str> = params.tensor_overrides.iter().map(|o| o.pattern.as_str()).collect();
+                why += &format!("\n  (a pattern of -ot is not a valid ECMAScript regex: {})", patterns.join("  "));
+                bail!(crate::error::UsageError(format!("model file {}: llama.cpp could not load it\n  {why}", path.display())));
+            }
             bail!("model file {}: llama.cpp could not load it\n  {why}", path.display());
         }
         Ok(Model { raw })

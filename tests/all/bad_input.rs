@@ -51,6 +51,23 @@ fn model_missing_folder_not_gguf_truncated_unknown_arch() {
     refused_early(&calibrate_in(&d, &d.join("alien.gguf"), &f), &["alien.gguf", "architecture 'qwen9moe' is not known"]);
 }
 
+/// Tensor placement (`-ot PATTERN=TYPE`, `--n-cpu-moe N`): a value without a type, a type no
+/// device has (the message lists those there are), a negative count, before the model loads;
+/// a pattern that is not a regex, when llama.cpp's loader compiles it (its message names none,
+/// ours adds the patterns given).
+#[test]
+fn tensor_overrides_that_cannot_apply() {
+    let d = temp_dir("bad-ot");
+    let model = fixture("qwen3moe");
+    let c = corpus().to_string_lossy().into_owned();
+    let go = |extra: &[&str]| calibrate_in(&d, &model, &[&["-f", c.as_str(), "-c", "128", "--chunks", "1"][..], extra].concat());
+    refused_early(&go(&["-ot", "exps=CPU,attn"]), &["-ot exps=CPU,attn: 'attn' is not <tensor name pattern>=<buffer type>"]);
+    refused_early(&go(&["-ot", "exps=CUDA0"]), &["-ot exps=CUDA0: unknown buffer type (available: CPU"]);
+    refused_early(&go(&["--n-cpu-moe", "-1"]), &["--n-cpu-moe -1: expected a number of layers, 0 or more"]);
+    refused(&go(&["-ot", "attn=CPU", "-ot", "(exps=CPU"]), &["regular expression", "a pattern of -ot is not a valid ECMAScript regex: attn  (exps"]);
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0, "something was written");
+}
+
 fn replace_all(b: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
     let mut out = b.to_vec();
     let mut i = 0;

@@ -296,8 +296,9 @@ fn a_failed_trace_write_stops_the_run() {
     let _ = dir;
 }
 
-/// `-ngl 99 --rpc` (every layer off-host, the device-side expert statistics read): the decode
-/// trace passes `check`, and its prefill rows have what the CPU run's have.
+/// `-ngl 99 --rpc` (every layer off-host, the device-side expert statistics read), and the
+/// same with `--cpu-moe` (the experts' weights in host memory): the decode trace passes
+/// `check`, and its prefill rows have what the CPU run's have.
 #[test]
 fn trace_decode_offloads_through_rpc() {
     let server = RpcServer::start();
@@ -306,15 +307,20 @@ fn trace_decode_offloads_through_rpc() {
     let (off, cpu) = (dir.join("off.bin"), dir.join("cpu.bin"));
     let gens = trace_decode(&model, &prompts_file(&dir), &off, &["-n", "4", "-ngl", "99", "--rpc", &server.endpoint, "--rpc-timeout", "120"]);
     let gens_cpu = trace_decode(&model, &prompts_file(&dir), &cpu, &["-n", "4"]);
-    let out = run(Command::new(ours()).args(["check", "--trace"]).arg(&off));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    // and with the experts' weights kept in host memory, the rest offloaded
+    let cmoe = dir.join("cmoe.bin");
+    let gens_cmoe = trace_decode(&model, &prompts_file(&dir), &cmoe, &["-n", "4", "-ngl", "99", "--rpc", &server.endpoint, "--cpu-moe"]);
     let prompt_tokens = |g: &[Value]| g.iter().map(|g| g["prompt_tokens"].as_u64().unwrap()).collect::<Vec<_>>();
-    assert_eq!(prompt_tokens(&gens), prompt_tokens(&gens_cpu));
-    let (a, b) = (reap_imatrix::formats::trace::TraceReader::open(&off).unwrap(), reap_imatrix::formats::trace::TraceReader::open(&cpu).unwrap());
-    let first = (0..b.n_rows).take_while(|&i| b.row(i).phase() == 0).count() as u64;
-    for i in 0..first {
-        let (ra, rb) = (a.row(i), b.row(i));
-        assert_eq!((ra.chunk(), ra.pos(), ra.token()), (rb.chunk(), rb.pos(), rb.token()), "row {i}");
+    for (t, g) in [(&off, &gens), (&cmoe, &gens_cmoe)] {
+        let out = run(Command::new(ours()).args(["check", "--trace"]).arg(t));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+        assert_eq!(prompt_tokens(g), prompt_tokens(&gens_cpu));
+        let (a, b) = (reap_imatrix::formats::trace::TraceReader::open(t).unwrap(), reap_imatrix::formats::trace::TraceReader::open(&cpu).unwrap());
+        let first = (0..b.n_rows).take_while(|&i| b.row(i).phase() == 0).count() as u64;
+        for i in 0..first {
+            let (ra, rb) = (a.row(i), b.row(i));
+            assert_eq!((ra.chunk(), ra.pos(), ra.token()), (rb.chunk(), rb.pos(), rb.token()), "{}: row {i}", t.display());
+        }
     }
 }
 

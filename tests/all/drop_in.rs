@@ -858,6 +858,70 @@ fn hybrid_models_offloaded_through_rpc_are_byte_identical_and_reap_agrees_with_t
     }
 }
 
+/// The way a MoE model larger than the GPU is run: `-ngl 99` with the experts' weights kept in
+/// host memory (`-ot exps=CPU`, `--cpu-moe`, or `--n-cpu-moe N` for the first N layers), here
+/// with a local `ggml-rpc-server` as the device. The imatrix equals upstream's with the same
+/// flags byte for byte, the REAP sums our CPU run's to float rounding, and the saliency JSON
+/// records the overrides in command-line order (the first matching pattern decides, as in llama.cpp).
+/// `--imatrix-on-device` agrees with the exact mode as with every layer offloaded. The
+/// placement takes effect: the expert outputs then sit on the host, so fewer bytes per
+/// token are copied from the device than with every layer offloaded, and fewer still the more
+/// layers keep their experts.
+#[test]
+fn experts_kept_in_host_memory_are_byte_identical_and_reap_agrees_with_the_cpu() {
+    let server = RpcServer::start();
+    let model = fixture("qwen3moe");
+    let flags = ["-c", "128", "-b", "128"];
+    let cpu = temp_dir("ot-cpu");
+    run_ok(Command::new(ours()).current_dir(&cpu).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-o", "imatrix.gguf"]).args(args(&flags)));
+    let copied_per_token = |o: &Output| -> u64 {
+        let err = String::from_utf8_lossy(&o.stderr);
+        err.split("MiB copied from device buffers (").nth(1).and_then(|s| s.split(' ').next()?.parse().ok()).unwrap_or_else(|| panic!("no copy line:\n{err}"))
+    };
+    let rpc_attn = format!("attn=RPC0[{}]", server.endpoint);
+    let mut per_token = Vec::new();
+    for (name, placement) in [
+        ("all", vec![]),
+        ("ncmoe", vec!["-ncmoe", "2"]),
+        ("ot", vec!["-ot", "exps=CPU"]),
+        ("cmoe", vec!["--cpu-moe"]),
+        ("ot-two", vec!["-ot", &rpc_attn, "-ot", "ffn_down_exps=CPU,exps=CPU", "--n-cpu-moe", "1"]),
+    ] {
+        let extra = [&flags[..], &["-ngl", "99", "--rpc", &server.endpoint], &placement[..]].concat();
+        let p = run_both(&format!("ot-{name}"), &model, "imatrix.gguf", &args(&extra));
+        p.assert_same_file("imatrix.gguf");
+        p.assert_same_ppl();
+        reap_agrees_with_the_cpu(&p.ours_dir, &cpu);
+        per_token.push(copied_per_token(&p.ours));
+        if name == "ot" {
+            // the fast mode reduces what is off-host on the device and the rest on the host
+            run_ok(Command::new(ours()).current_dir(&p.ours_dir).arg("-m").arg(&model).arg("-f").arg(corpus()).args(["-o", "fast.gguf", "--imatrix-on-device"]).args(args(&extra)));
+            let (a, b) = (imatrix_file::load(&p.ours_dir.join("imatrix.gguf")).unwrap(), imatrix_file::load(&p.ours_dir.join("fast.gguf")).unwrap());
+            assert_eq!(a.entries.keys().collect::<Vec<_>>(), b.entries.keys().collect::<Vec<_>>());
+            for (entry, ea) in &a.entries {
+                let eb = &b.entries[entry];
+                assert_eq!(ea.counts, eb.counts, "{entry}");
+                for (&x, &y) in ea.sums.iter().zip(&eb.sums) {
+                    assert!((x - y).abs() <= 1e-4 * x.abs().max(y.abs()), "{entry}: {x} exact, {y} on the device");
+                }
+            }
+        }
+        let saliency: serde_json::Value = serde_json::from_slice(&read(&p.ours_dir.join("imatrix.reap.json"))).unwrap();
+        let recorded = &saliency["metadata"]["run"]["tensor_overrides"];
+        match name {
+            "all" => assert!(recorded.is_null(), "{recorded}"),
+            "ot-two" => assert_eq!(
+                recorded,
+                &serde_json::json!([rpc_attn, "ffn_down_exps=CPU", "exps=CPU", r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"]),
+            ),
+            _ => assert!(recorded.as_array().is_some_and(|a| !a.is_empty()), "{name}: {recorded}"),
+        }
+    }
+    eprintln!("bytes copied per token: {per_token:?} (all offloaded, 2 of 4 layers' experts on the host, all of them: -ot, --cpu-moe, two -ot)");
+    assert!(per_token[0] > per_token[1] && per_token[1] > per_token[2], "{per_token:?}");
+    assert_eq!(per_token[2], per_token[3], "-ot exps=CPU and --cpu-moe place alike");
+}
+
 fn reap_agrees_with_the_cpu(offloaded: &Path, cpu: &Path) {
     let read = |d: &Path| reap_imatrix::formats::saliency::Saliency::read(&d.join("imatrix.reap.json")).unwrap();
     let (off, host) = (read(offloaded), read(cpu));

@@ -424,6 +424,36 @@ fn eval_offloads_through_rpc_with_figures_equal_to_rounding() {
     assert!((a - b).abs() <= 2.0 / 252.0 + 1e-12, "top1_agree: {a} over RPC, {b} on the CPU");
 }
 
+/// With the experts' weights kept in host memory and the rest offloaded (`-ngl 99 --cpu-moe`
+/// over a local `ggml-rpc-server`, or `-ot`), every figure is upstream llama-perplexity's
+/// `--kl-divergence` with the same flags. A stored base file records the placement; one made
+/// with another is reused, as with another `-ngl`, with a note naming the difference.
+#[test]
+fn eval_with_the_experts_in_host_memory_matches_upstream() {
+    let d = temp_dir("eval-cpu-moe");
+    let (s1, s2) = (seeded("qwen3moe", 1), seeded("qwen3moe", 2));
+    let server = RpcServer::start();
+    let placement = ["-ngl", "99", "--rpc", &server.endpoint, "--cpu-moe"];
+    let up_file = d.join("upstream.kld");
+    let perplexity = |m: &Path, extra: &[&str]| {
+        run_ok(Command::new(reference_bin("llama-perplexity")).arg("-m").arg(m).args(["-c", CTX, "-b", "2048", "-t", "2"]).args(placement).args(extra).arg(&up_file))
+    };
+    perplexity(&s1, &["-f", corpus().to_str().unwrap(), "--chunks", CHUNKS, "--kl-divergence-base"]);
+    let up = String::from_utf8_lossy(&perplexity(&s2, &["--kl-divergence", "--kl-divergence-base"]).stdout).into_owned();
+    let base_file = d.join("base.kld");
+    let stored = ["--base-logits", base_file.to_str().unwrap()];
+    let (_, v) = eval(&d, &s1, &[&s2], &[&stored[..], &placement[..]].concat());
+    assert_eq!(v["forward_passes"], 2);
+    assert_matches_upstream(&v["models"][0], &up);
+    let (out, again) = eval(&d, &s1, &[&s2], &[&stored[..], &["-ngl", "99", "--rpc", &server.endpoint, "-cmoe"][..]].concat());
+    assert_eq!(again["forward_passes"], 1, "the same placement spelled -cmoe reuses the stored base");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("note: computed with"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_matches_upstream(&again["models"][0], &up);
+    let (out, _) = eval(&d, &s1, &[&s2], &[&stored[..], &placement[..4]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(r#"note: computed with tensor_overrides = ["\\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"], this run has null"#), "{err}");
+}
+
 /// `eval --keep-map --drop-nextn` prunes as `prune --drop-nextn` does: select's map of the
 /// glm4moe fixture (blocks 1–3, no entry for the nextn block 4) is refused without the flag,
 /// before any pass, and evaluated with it; keeping every live expert, the trunk's logits are
