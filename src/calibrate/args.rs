@@ -95,6 +95,10 @@ pub struct ImatrixArgs {
     #[command(flatten)]
     pub placement: crate::cli::placement::PlacementArgs,
 
+    /// print list of available devices and exit
+    #[arg(long = "list-devices")]
+    pub list_devices: bool,
+
     /// fit unset arguments to device memory: 'off' (what reap-imatrix does); 'on' is refused,
     /// set -ngl yourself [-fit]
     #[arg(long = "fit", value_name = "on|off")]

@@ -312,7 +312,7 @@ pub fn run(args: ImatrixArgs, argv: &[String]) -> Result<()> {
         let trace = plan.args.trace_out.as_ref().map(|_| TraceRows::new(plan.args.trace_top_n_or_default(), plan.args.trace_tokens.unwrap_or(u64::MAX)));
         ReapState::new(trace)
     });
-    let offloaded = crate::llama::expert_stats::wanted(params.n_gpu_layers);
+    let offloaded = crate::llama::expert_stats::wanted(&params);
     let device_stats = reap.is_some() && offloaded;
     crate::llama::expert_stats::set(device_stats);
     // --no-reap without --imatrix-on-device keeps upstream's graph (and its splits) for parity
@@ -707,6 +707,7 @@ pub fn model_params(args: &ImatrixArgs) -> Result<ModelParams> {
         p.use_extra_bufts = false;
     }
     p.tensor_overrides = args.placement.overrides.clone();
+    p.devices = args.placement.devices()?;
     match args.fit.as_deref() {
         None | Some("off" | "false" | "0" | "disabled") => {}
         Some("on" | "true" | "1" | "enabled") => bail!(UsageError(

@@ -24,6 +24,7 @@ pub const SINGLE_DASH_LONG: &[(&str, &str)] = &[
     ("-kvo", "--kv-offload"),
     ("-nkvo", "--no-kv-offload"),
     ("-ot", "--override-tensor"),
+    ("-dev", "--device"),
     ("-cmoe", "--cpu-moe"),
     ("-ncmoe", "--n-cpu-moe"),
     ("-ncffn", "--n-cpu-ffn"),

@@ -41,6 +41,7 @@ impl DeviceArgs {
         let mut p = model_params_of(&self.n_gpu_layers, &self.load_mode, self.rpc.clone())?;
         p.use_extra_bufts = !self.no_repack;
         p.tensor_overrides = self.placement.overrides.clone();
+        p.devices = self.placement.devices()?;
         Ok((p, flash_attn_type(&self.flash_attn)?))
     }
 }

@@ -162,6 +162,10 @@ fn drop_in(argv: Vec<OsString>) -> Result<i32> {
         }
     };
     parsed.args.placement.order(&m)?;
+    if parsed.args.list_devices {
+        crate::llama::model::print_offload_devices(parsed.args.rpc.as_deref())?;
+        return Ok(0);
+    }
     crate::calibrate::run(parsed.args, &given)?;
     Ok(0)
 }

@@ -1,5 +1,6 @@
-//! Where tensors live, by name: llama.cpp's `-ot`, `--cpu-moe`, `--n-cpu-moe`, `--n-cpu-ffn`
-//! and `--op-offload`, shared by the drop-in calibration, `eval` and `trace-decode`.
+//! Where tensors live: llama.cpp's `-dev`, and by name `-ot`, `--cpu-moe`, `--n-cpu-moe`,
+//! `--n-cpu-ffn`, and `--op-offload`, shared by the drop-in calibration, `eval` and
+//! `trace-decode`.
 //!
 //! The usual way to run a MoE model larger than the GPU: `-ngl 99 --cpu-moe` (or `-ot
 //! exps=CPU`) keeps the experts' weights in host memory and everything else on the GPU.
@@ -18,7 +19,7 @@ const FFN_DENSE: &str = r"\.ffn_(up|down|gate)\.";
 pub struct PlacementArgs {
     /// override tensor buffer type: the first pattern (a regex searched in the tensor's name)
     /// that matches decides; repeatable [-ot]
-    #[arg(long = "override-tensor", value_name = "<tensor name pattern>=<buffer type>,...", action = clap::ArgAction::Append)]
+    #[arg(long = "override-tensor", value_name = "PATTERN=TYPE,...", action = clap::ArgAction::Append)]
     pub override_tensor: Vec<String>,
 
     /// keep all Mixture of Experts (MoE) weights in the CPU [-cmoe]
@@ -32,6 +33,11 @@ pub struct PlacementArgs {
     /// keep the dense FFN weights of the first N layers in the CPU [-ncffn]
     #[arg(long = "n-cpu-ffn", value_name = "N", action = clap::ArgAction::Append, allow_negative_numbers = true)]
     pub n_cpu_ffn: Vec<i32>,
+
+    /// comma-separated list of devices to use for offloading (none = don't offload);
+    /// `reap-imatrix --list-devices` lists them [-dev]
+    #[arg(long = "device", value_name = "DEV1,DEV2,..")]
+    pub device: Option<String>,
 
     /// whether to offload host tensor operations to device (default: true)
     #[arg(long = "op-offload", overrides_with = "no_op_offload")]
@@ -71,6 +77,17 @@ impl PlacementArgs {
         Ok(())
     }
 
+    /// `-dev`: `Some(empty)` for `none`; the names are looked up when the model loads (after
+    /// `--rpc` adds its servers' devices)
+    pub fn devices(&self) -> Result<Option<Vec<String>>> {
+        let Some(v) = &self.device else { return Ok(None) };
+        let names: Vec<String> = v.split(',').filter(|s| !s.is_empty()).map(String::from).collect();
+        if names.is_empty() {
+            bail!(UsageError(format!("-dev '{v}': no devices specified")));
+        }
+        Ok(Some(if names == ["none"] { Vec::new() } else { names }))
+    }
+
     pub fn op_offload(&self) -> bool {
         !self.no_op_offload
     }
@@ -85,6 +102,9 @@ impl PlacementArgs {
         }
         if self.no_op_offload {
             s.insert("op_offload".into(), false.into());
+        }
+        if let Some(d) = &self.device {
+            s.insert("devices".into(), d.clone().into());
         }
         s
     }
@@ -142,6 +162,18 @@ mod tests {
         assert_eq!(order(&["--cpu-moe", "--override-tensor", "x=CUDA0", "--cpu-moe"]).unwrap().len(), 3);
         assert_eq!(order(&["--cpu-moe", "--override-tensor", "x=CUDA0", "--cpu-moe"]).unwrap()[1], "x=CUDA0");
         assert!(order(&[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn dev_names_devices_or_none() {
+        let devices = |args: &[&str]| {
+            let m = Cli::command().try_get_matches_from(std::iter::once("prog").chain(args.iter().copied())).unwrap();
+            Cli::from_arg_matches(&m).unwrap().p.devices().map_err(|e| e.to_string())
+        };
+        assert_eq!(devices(&[]), Ok(None));
+        assert_eq!(devices(&["--device", "none"]), Ok(Some(vec![])));
+        assert_eq!(devices(&["--device", "CUDA0,RPC0"]), Ok(Some(vec!["CUDA0".to_string(), "RPC0".to_string()])));
+        assert!(devices(&["--device", ","]).unwrap_err().contains("no devices specified"));
     }
 
     #[test]

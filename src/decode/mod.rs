@@ -158,7 +158,7 @@ pub fn run(args: &TraceDecodeArgs) -> Result<i32> {
     let reap = (!args.no_trace).then(|| ReapState::new(Some(TraceRows::new(args.trace_top_n, u64::MAX))));
     // the imatrix collector is required by the observer but switched off: routing only
     let imatrix = ImatrixCollector::new(ImatrixConfig { chunk_size: n_ctx as i32, out_freq: i32::MAX, save_freq: 0, process_output: false, small_by_rows: false }, Imatrix::default());
-    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(model_params.n_gpu_layers);
+    let device_stats = reap.is_some() && crate::llama::expert_stats::wanted(&model_params);
     crate::llama::expert_stats::set(device_stats);
     let defer = crate::llama::expert_stats::keep_wanted(device_stats, true);
     crate::llama::expert_stats::set_keep(defer);

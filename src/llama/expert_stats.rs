@@ -13,13 +13,15 @@ use super::sys;
 /// Whether graphs should carry the device-side statistics: only when layers are offloaded to a
 /// non-host device (`n_gpu_layers` not 0 and a GPU-type device, which RPC servers are), so the
 /// CPU graph stays upstream's. `REAP_EXPERT_STATS=host|device` overrides (tests, debugging).
-pub fn wanted(n_gpu_layers: i32) -> bool {
+pub fn wanted(params: &super::ModelParams) -> bool {
     match std::env::var("REAP_EXPERT_STATS").as_deref() {
         Ok("device") => return true,
         Ok("host") => return false,
         _ => {}
     }
-    n_gpu_layers != 0 && offload_device_present()
+    // `-dev` names only devices to offload to; `-dev none`, none
+    let devices_allowed = params.devices.as_ref().is_none_or(|d| !d.is_empty());
+    params.n_gpu_layers != 0 && devices_allowed && offload_device_present()
 }
 
 fn offload_device_present() -> bool {

@@ -29,6 +29,9 @@ pub struct ModelParams {
     /// where tensors go by name (`-ot`, `--cpu-moe`, `--n-cpu-moe`), in command-line order:
     /// llama.cpp takes the first pattern that matches
     pub tensor_overrides: Vec<TensorOverride>,
+    /// `-dev`: the devices to offload to, by name (`CUDA0`, `RPC0`); `Some(empty)`: none (every
+    /// layer on the host); `None`: every device there is
+    pub devices: Option<Vec<String>>,
 }
 
 /// One `-ot PATTERN=BUFFER_TYPE`: tensors whose names the (ECMAScript) regex finds a match in
@@ -55,6 +58,7 @@ impl Default for ModelParams {
             use_extra_bufts: d.use_extra_bufts,
             load_mtp: d.load_mtp,
             tensor_overrides: Vec::new(),
+            devices: None,
         }
     }
 }
@@ -94,6 +98,64 @@ fn buffer_overrides(list: &[TensorOverride]) -> Result<Vec<(CString, sys::ggml_b
             Ok((pattern, buft))
         })
         .collect()
+}
+
+/// `-dev` names → devices, as upstream's `parse_device_list` takes them (after `--rpc` has
+/// added its servers'): the CPU is not one to offload to; an unknown name is refused with the
+/// list of those there are.
+fn offload_devices(names: &[String]) -> Result<Vec<sys::ggml_backend_dev_t>> {
+    names
+        .iter()
+        .map(|name| {
+            let c = CString::new(name.as_str()).with_context(|| format!("-dev {name}: contains a NUL byte"))?;
+            // SAFETY: registry queries.
+            let dev = unsafe { sys::ggml_backend_dev_by_name(c.as_ptr()) };
+            if dev.is_null() || unsafe { sys::ggml_backend_dev_type(dev) } == sys::GGML_BACKEND_DEVICE_TYPE_CPU {
+                let known: Vec<String> = offload_device_list().into_iter().map(|(n, _, _, _)| n).collect();
+                bail!(crate::error::UsageError(format!(
+                    "-dev {name}: not a device to offload to (available: {}; -dev none keeps every layer on the host)",
+                    if known.is_empty() { "none".to_string() } else { known.join(", ") }
+                )));
+            }
+            Ok(dev)
+        })
+        .collect()
+}
+
+/// The devices layers can be offloaded to (not the CPU): name, description, free and total
+/// bytes, as upstream's `--list-devices` prints them.
+pub fn offload_device_list() -> Vec<(String, String, usize, usize)> {
+    super::init_backend();
+    let s = |p: *const std::ffi::c_char| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned();
+    // SAFETY: registry queries; names are static C strings.
+    unsafe {
+        (0..sys::ggml_backend_dev_count())
+            .map(|i| sys::ggml_backend_dev_get(i))
+            .filter(|&d| sys::ggml_backend_dev_type(d) != sys::GGML_BACKEND_DEVICE_TYPE_CPU)
+            .map(|d| {
+                let (mut free, mut total) = (0usize, 0usize);
+                sys::ggml_backend_dev_memory(d, &mut free, &mut total);
+                (s(sys::ggml_backend_dev_name(d)), s(sys::ggml_backend_dev_description(d)), free, total)
+            })
+            .collect()
+    }
+}
+
+/// `--list-devices` (after `--rpc` has added its servers'), in upstream's words.
+pub fn print_offload_devices(rpc: Option<&str>) -> Result<()> {
+    if let Some(servers) = rpc {
+        super::context::add_rpc_devices(servers)?;
+    }
+    println!("Available devices:");
+    let list = offload_device_list();
+    if list.is_empty() {
+        println!("  (none)");
+    }
+    const MIB: usize = 1024 * 1024;
+    for (name, description, free, total) in list {
+        println!("  {name}: {description} ({} MiB, {} MiB free)", total / MIB, free / MIB);
+    }
+    Ok(())
 }
 
 pub struct Model {
@@ -142,6 +204,15 @@ impl Model {
             }
             split[..params.tensor_split.len()].copy_from_slice(&params.tensor_split);
             mp.tensor_split = split.as_ptr();
+        }
+        // -dev: null-terminated, alive until the load returns
+        let mut devices = match &params.devices {
+            Some(names) => offload_devices(names)?,
+            None => Vec::new(),
+        };
+        if params.devices.is_some() && !params.vocab_only {
+            devices.push(std::ptr::null_mut());
+            mp.devices = devices.as_mut_ptr();
         }
         // the patterns and the array live until the load returns; null-terminated
         let overrides = buffer_overrides(&params.tensor_overrides)?;

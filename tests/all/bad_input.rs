@@ -189,7 +189,8 @@ fn flags_refused_before_loading() {
         ("-ctk", "q9", "unsupported cache type"),
         ("-ctv", "q9", "unsupported cache type"),
         ("-fit", "on", "does not fit arguments to device memory"),
-        ("-dev", "CPU", "not supported by reap-imatrix"),
+        ("-dev", "CPU", "not a device to offload to (available: none; -dev none keeps every layer on the host)"),
+        ("-dev", ",", "no devices specified"),
     ] {
         refused_early(&calibrate_in(&d, &m, &["-f", &c, flag, value]), &[flag, says]);
     }
@@ -486,7 +487,10 @@ fn every_upstream_flag_is_parsed_or_refused_by_name() {
         .collect();
     assert!(upstream.len() > 150, "parsed only {} flags from upstream's --help", upstream.len());
     assert_eq!(embedded, upstream, "src/cli/llama-imatrix-flags.txt is not upstream's flag list");
-    for flag in upstream.iter().filter(|f| !matches!(f.as_str(), "-h" | "--help" | "--version")) {
+    // --list-devices prints the devices and exits 0, as upstream's does
+    let out = run(Command::new(ours()).args(["-m", "/nonexistent.gguf", "--list-devices"]));
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).starts_with("Available devices:\n"), "{out:?}");
+    for flag in upstream.iter().filter(|f| !matches!(f.as_str(), "-h" | "--help" | "--version" | "--list-devices")) {
         let out = run(Command::new(ours()).args(["-m", "/nonexistent.gguf", flag]));
         let said = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
         assert!(!out.status.success(), "{flag}: exit 0: {said}");

@@ -886,12 +886,21 @@ fn experts_kept_in_host_memory_are_byte_identical_and_reap_agrees_with_the_cpu()
         ("ot", vec!["-ot", "exps=CPU"]),
         ("cmoe", vec!["--cpu-moe"]),
         ("ot-two", vec!["-ot", &rpc_attn, "-ot", "ffn_down_exps=CPU,exps=CPU", "--n-cpu-moe", "1"]),
+        // -dev: the server by name offloads as without it; none keeps every layer on the host
+        ("dev", vec!["-dev", "RPC0"]),
+        ("dev-none", vec!["-dev", "none"]),
     ] {
         let extra = [&flags[..], &["-ngl", "99", "--rpc", &server.endpoint], &placement[..]].concat();
         let p = run_both(&format!("ot-{name}"), &model, "imatrix.gguf", &args(&extra));
         p.assert_same_file("imatrix.gguf");
         p.assert_same_ppl();
         reap_agrees_with_the_cpu(&p.ours_dir, &cpu);
+        if name == "dev-none" {
+            let err = String::from_utf8_lossy(&p.ours.stderr);
+            assert!(!err.contains("copied from device buffers"), "-dev none read device buffers:\n{err}");
+            assert_same_bytes(&p.ours_dir.join("imatrix.gguf"), &cpu.join("imatrix.gguf"));
+            continue;
+        }
         per_token.push(copied_per_token(&p.ours));
         if name == "ot" {
             // the fast mode reduces what is off-host on the device and the rest on the host
@@ -909,7 +918,7 @@ fn experts_kept_in_host_memory_are_byte_identical_and_reap_agrees_with_the_cpu()
         let saliency: serde_json::Value = serde_json::from_slice(&read(&p.ours_dir.join("imatrix.reap.json"))).unwrap();
         let recorded = &saliency["metadata"]["run"]["tensor_overrides"];
         match name {
-            "all" => assert!(recorded.is_null(), "{recorded}"),
+            "all" | "dev" => assert!(recorded.is_null(), "{recorded}"),
             "ot-two" => assert_eq!(
                 recorded,
                 &serde_json::json!([rpc_attn, "ffn_down_exps=CPU", "exps=CPU", r"blk\.0\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"]),
@@ -917,9 +926,18 @@ fn experts_kept_in_host_memory_are_byte_identical_and_reap_agrees_with_the_cpu()
             _ => assert!(recorded.as_array().is_some_and(|a| !a.is_empty()), "{name}: {recorded}"),
         }
     }
-    eprintln!("bytes copied per token: {per_token:?} (all offloaded, 2 of 4 layers' experts on the host, all of them: -ot, --cpu-moe, two -ot)");
+    eprintln!("bytes copied per token: {per_token:?} (all offloaded, 2 of 4 layers' experts on the host, all of them: -ot, --cpu-moe, two -ot; -dev RPC0)");
     assert!(per_token[0] > per_token[1] && per_token[1] > per_token[2], "{per_token:?}");
     assert_eq!(per_token[2], per_token[3], "-ot exps=CPU and --cpu-moe place alike");
+    assert_eq!(per_token[0], per_token[5], "-dev RPC0 offloads as without -dev");
+    // --list-devices names what upstream's names (the free memory may move between the calls)
+    let devices = |bin: PathBuf| {
+        let o = run_ok(Command::new(bin).args(["--rpc", &server.endpoint, "--list-devices"]));
+        String::from_utf8_lossy(&o.stdout).lines().map(|l| l.split(" (").next().unwrap().to_string()).collect::<Vec<_>>()
+    };
+    let listed = devices(ours());
+    assert_eq!(listed, ["Available devices:".to_string(), format!("  RPC0: {}", server.endpoint)]);
+    assert_eq!(listed, devices(reference_bin("llama-imatrix")));
 }
 
 fn reap_agrees_with_the_cpu(offloaded: &Path, cpu: &Path) {
