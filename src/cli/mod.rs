@@ -163,7 +163,7 @@ fn drop_in(argv: Vec<OsString>) -> Result<i32> {
     };
     parsed.args.placement.order(&m)?;
     if parsed.args.list_devices {
-        crate::llama::model::print_offload_devices(parsed.args.rpc.as_deref())?;
+        crate::llama::placement::print_offload_devices(parsed.args.rpc.as_deref())?;
         return Ok(0);
     }
     crate::calibrate::run(parsed.args, &given)?;

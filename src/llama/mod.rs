@@ -12,6 +12,7 @@ pub mod eval_callback;
 pub mod expert_stats;
 pub mod log;
 pub mod model;
+pub mod placement;
 pub mod prefetch;
 pub mod reduce;
 pub mod rpc_watch;
@@ -24,7 +25,8 @@ pub use batch::Batch;
 pub use context::{Context, ContextParams};
 pub use eval_callback::GraphObserver;
 pub use chat::Message as ChatMessage;
-pub use model::{Model, ModelParams, TensorOverride, Vocab};
+pub use model::{Model, ModelParams, Vocab};
+pub use placement::TensorOverride;
 pub use sampler::{Sampler, Sampling};
 pub use tensor::{Node, TensorInfo};
 
